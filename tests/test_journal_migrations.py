@@ -1,0 +1,178 @@
+"""Alembic chains of both journals: from empty, from the earlier revision, concurrent opens."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from filelock import FileLock
+
+from tqtx.journal.models import ControllerBase, DumpBase
+from tqtx.journal.store import (
+    ControllerJournal, DumpJournal, controller_journal_path, dump_journal_path, head_revision,
+    make_engine, migrate, migrations_dir,
+)
+
+
+def tables(path) -> set[str]:
+    con = sqlite3.connect(path)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        con.close()
+
+
+def test_layout():
+    root = migrations_dir()
+    assert (root / "env.py").is_file() and (root / "script.py.mako").is_file()
+    assert head_revision("controller") == "c0002"
+    assert head_revision("dump") == "d0002"
+
+
+@pytest.mark.parametrize("chain,base,path_of", [
+    ("controller", ControllerBase, controller_journal_path),
+    ("dump", DumpBase, dump_journal_path)])
+def test_upgrade_from_empty_matches_models(tmp_path, chain, base, path_of):
+    path = path_of(tmp_path / "x")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert migrate(path, chain) == (None, head_revision(chain))
+    assert migrate(path, chain) == (head_revision(chain), head_revision(chain))
+    assert tables(path) == set(base.metadata.tables) | {"alembic_version"}
+    engine = make_engine(path, wal=chain == "controller")
+    try:
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), base.metadata)
+        assert diff == []
+    finally:
+        engine.dispose()
+
+
+def test_controller_upgrade_preserves_rows(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    path = controller_journal_path(state)
+    assert migrate(path, "controller", "c0001") == (None, "c0001")
+    assert "recovery_events" not in tables(path)
+    con = sqlite3.connect(path)
+    with con:
+        con.execute("INSERT INTO incarnations (id, started_at, pid, host, address, version, "
+                    "state_dir) VALUES (7, '2024-01-01T00:00:00+00:00', 42, 'h', 'tcp://h:1', "
+                    "'0.0.9', '/s')")
+        con.execute("INSERT INTO restores (restore_id, partition_id, dump_dir, dump_id, "
+                    "incarnation_id, state, keys, rows, created_at, updated_at) VALUES "
+                    "('r1', 'train', '/d/buf', 'd1', 7, 'active', 5, 6, 't0', 't0')")
+        con.execute("INSERT INTO restore_units (restore_id, unit_id, state, rows, created_at, "
+                    "updated_at) VALUES ('r1', 0, 'claimed', 3, 't0', 't0')")
+        con.execute("INSERT INTO dumps (dump_id, dump_dir, partition_id, keys, rows_with_data, "
+                    "bytes, shards, incarnation_id, created_at) VALUES "
+                    "('d1', '/d/buf', 'train', 5, 5, 1000, 2, 7, 't0')")
+    con.close()
+
+    with ControllerJournal(state) as j:
+        assert j.revision() == "c0002"
+        r = j.get_restore("r1")
+        assert {k: r[k] for k in ("partition_id", "dump_dir", "dump_id", "incarnation_id",
+                                  "state", "keys", "rows", "bytes")} == {
+            "partition_id": "train", "dump_dir": "/d/buf", "dump_id": "d1", "incarnation_id": 7,
+            "state": "active", "keys": 5, "rows": 6, "bytes": 0}
+        assert r["units"] == [{"unit_id": 0, "state": "claimed", "rows": 3, "bytes": 0,
+                               "error": None}]
+        assert j.list_dumps()[0]["bytes"] == 1000
+        assert j.list_incarnations()[0]["pid"] == 42
+        # The upgraded journal is fully usable, including the new table.
+        j.stage_unit("r1", 0, rows=3, bytes=30)
+        j.record_recovery(incarnation_id=7, kind="restore", target="r1", action="noted")
+        assert len(j.list_recovery_events()) == 1
+
+
+def test_dump_upgrade_preserves_rows(tmp_path):
+    dump = tmp_path / "buf"
+    path = dump_journal_path(dump)
+    assert migrate(path, "dump", "d0001") == (None, "d0001")
+    con = sqlite3.connect(path)
+    with con:
+        con.execute("INSERT INTO publications (attempt_id, kind, dump_id, staging_dir, phase, "
+                    "created_at, updated_at) VALUES ('a1', 'dump', 'd1', '/s', 'synced', 't0', 't0')")
+        con.execute("INSERT INTO restores (restore_id, controller_address, incarnation_id, "
+                    "partition_id, state, created_at, updated_at) VALUES "
+                    "('r1', 'tcp://h:1', 3, 'train', 'reading', 't0', 't0')")
+    con.close()
+    with DumpJournal(dump) as dj:
+        assert dj.revision() == "d0002"
+        assert dj.unfinished_publications() == [
+            {"attempt_id": "a1", "kind": "dump", "dump_id": "d1", "staging_dir": "/s",
+             "phase": "synced", "error": None, "created_at": "t0", "updated_at": "t0"}]
+        r = dj.get_restore("r1")
+        assert (r["state"], r["controller_state_dir"], r["incarnation_id"]) == ("reading", None, 3)
+        dj.set_phase("a1", "rolled-back", "recovered")
+
+
+def test_migration_waits_for_migrate_lock(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    path = controller_journal_path(state)
+    lock = FileLock(str(path) + ".migrate.lock")
+    code = textwrap.dedent(f"""
+        import time
+        from tqtx.journal.store import ControllerJournal
+        t = time.time()
+        ControllerJournal({str(state)!r}).close()
+        print(time.time() - t)
+    """)
+    with lock:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        assert proc.poll() is None  # blocked on the migrate lock
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and float(out) >= 0.5
+
+
+OPENER = textwrap.dedent("""
+    import sys, time
+    from tqtx.journal.store import ControllerJournal, DumpJournal
+    kind, target, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    while time.time() < start:
+        time.sleep(0.001)
+    if kind == "controller":
+        with ControllerJournal(target) as j:
+            j.start_incarnation(pid=0, host="h", address="a", version="v")
+            print(j.revision())
+    else:
+        with DumpJournal(target) as j:
+            j.begin_publication(attempt_id=str(time.time_ns()) + sys.argv[4], kind="dump",
+                                dump_id=None, staging_dir="s")
+            print(j.revision())
+""")
+
+
+@pytest.mark.parametrize("kind", ["controller", "dump"])
+def test_concurrent_open_of_fresh_journal(tmp_path, kind):
+    target = tmp_path / ("state" if kind == "controller" else "buf")
+    n = 3
+    start = time.time() + 2.0  # after every interpreter has imported sqlalchemy/alembic
+    procs = [subprocess.Popen([sys.executable, "-c", OPENER, kind, str(target), str(start),
+                               str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(n)]
+    results = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err
+        assert "locked" not in err
+        assert out.strip() == head_revision(kind)
+    if kind == "controller":
+        with ControllerJournal(target) as j:
+            assert len(j.list_incarnations()) == n
+    else:
+        with DumpJournal(target) as j:
+            assert len(j.publications()) == n
+    con = sqlite3.connect(controller_journal_path(target) if kind == "controller"
+                          else dump_journal_path(target))
+    assert con.execute("SELECT count(*) FROM alembic_version").fetchone()[0] == 1
+    con.close()
+    assert os.path.exists(str(controller_journal_path(target) if kind == "controller"
+                              else dump_journal_path(target)) + ".migrate.lock")

@@ -1,0 +1,304 @@
+"""Crash-safe dump publication: commit, abort and recovery after a crash at every phase."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from filelock import Timeout
+
+from tqtx import faults
+from tqtx.dump.publish import (
+    Publication, dump_lock, fsync_dir, fsync_file, publish_dir_size, recover_publications,
+)
+from tqtx.journal.store import DumpJournal, IllegalTransition, dump_journal_path
+
+PHASES = ["staging", "written", "synced", "old_moved", "published", "cleaned"]
+JOURNAL_PHASE = {"old_moved": "old-moved"}
+
+
+@pytest.fixture(autouse=True)
+def _no_faults():
+    faults.configure("")
+    yield
+    faults.configure("")
+
+
+def tree(path: Path) -> dict[str, str]:
+    """{relative path: content} of every file below ``path``."""
+    return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+OLD = {"meta.json": "old", "shards/0.bin": "old-0"}
+NEW = {"meta.json": "new", "shards/0.bin": "new-0", "shards/1.bin": "new-1"}
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for rel, content in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(content)
+
+
+def siblings(dump: Path) -> list[str]:
+    """Names next to the dump other than the journal, its lock files and the dump lock."""
+    skip = (".journal.sqlite", ".lock", ".migrate.lock", "-journal")
+    return sorted(p.name for p in dump.parent.iterdir()
+                  if p.name != dump.name and not p.name.endswith(skip))
+
+
+def publish(dump: Path, files: dict[str, str], fault: str = "") -> Publication | None:
+    """Publish ``files`` as ``dump``; with ``fault`` the given point raises (a simulated crash)."""
+    faults.configure(f"publish.after_{fault}:raise" if fault else "")
+    pub = None
+    with dump_lock(dump), DumpJournal(dump) as j:
+        try:
+            pub = Publication(dump, dump_id="d1", journal=j)
+            write(pub.staging_dir, files)
+            pub.mark_written()
+            pub.commit()
+        except faults.InjectedFault:
+            pass
+    faults.configure("")
+    return pub
+
+
+def phases(dump: Path) -> list[str]:
+    with DumpJournal(dump) as j:
+        return [p["phase"] for p in j.publications()]
+
+
+def test_commit_publishes_and_replaces(tmp_path):
+    dump = tmp_path / "ckpt" / "buf"
+    publish(dump, OLD)
+    assert tree(dump) == OLD
+    with dump_lock(dump), DumpJournal(dump) as j:
+        pub = Publication(dump, kind="checkpoint", dump_id="d2", journal=j)
+        assert pub.staging_dir == dump.parent / f"buf.tmp-{pub.attempt_id}"
+        assert len(pub.attempt_id) == 12
+        write(pub.staging_dir, NEW)
+        pub.mark_written()
+        size = pub.commit()
+        assert size == sum(len(v) for v in NEW.values()) == publish_dir_size(dump)
+        row = j.get_publication(pub.attempt_id)
+        assert row["phase"] == "cleaned" and row["kind"] == "checkpoint"
+    assert tree(dump) == NEW
+    assert siblings(dump) == []
+    assert dump_journal_path(dump) == dump.parent / "buf.journal.sqlite"
+    assert dump_journal_path(dump).exists() and (dump.parent / "buf.lock").exists()
+    with dump_lock(dump):
+        assert recover_publications(dump) == []
+
+
+@pytest.mark.parametrize("fault", PHASES[:3])
+def test_abort_before_swap_keeps_old(tmp_path, fault):
+    dump = tmp_path / "buf"
+    publish(dump, OLD)
+    faults.configure(f"publish.after_{fault}:raise")
+    with dump_lock(dump), DumpJournal(dump) as j:
+        pub = Publication.__new__(Publication)
+        try:
+            pub = Publication(dump, dump_id="d2", journal=j)
+            write(pub.staging_dir, NEW)
+            pub.mark_written()
+            pub.commit()
+        except faults.InjectedFault:
+            if not hasattr(pub, "attempt_id"):  # raised inside the constructor
+                pub = None
+        faults.configure("")
+        if pub is not None:
+            pub.abort("writer failed")
+            assert j.get_publication(pub.attempt_id)["phase"] == "failed"
+            assert j.get_publication(pub.attempt_id)["error"] == "writer failed"
+    assert tree(dump) == OLD
+    if pub is not None:
+        assert siblings(dump) == []
+
+
+def test_abort_after_old_moved_rolls_back(tmp_path):
+    dump = tmp_path / "buf"
+    publish(dump, OLD)
+    faults.configure("publish.after_old_moved:raise")
+    with dump_lock(dump), DumpJournal(dump) as j:
+        pub = Publication(dump, dump_id="d2", journal=j)
+        write(pub.staging_dir, NEW)
+        with pytest.raises(faults.InjectedFault):
+            pub.commit()
+        assert not dump.exists()
+        pub.abort("controller gave up")
+        assert j.get_publication(pub.attempt_id)["phase"] == "rolled-back"
+    assert tree(dump) == OLD and siblings(dump) == []
+
+
+def test_abort_after_published_rolls_forward(tmp_path):
+    dump = tmp_path / "buf"
+    publish(dump, OLD)
+    faults.configure("publish.after_published:raise")
+    with dump_lock(dump), DumpJournal(dump) as j:
+        pub = Publication(dump, dump_id="d2", journal=j)
+        write(pub.staging_dir, NEW)
+        with pytest.raises(faults.InjectedFault):
+            pub.commit()
+        pub.abort("late failure")
+        assert j.get_publication(pub.attempt_id)["phase"] == "cleaned"
+    assert tree(dump) == NEW and siblings(dump) == []
+
+
+# Phase a crash left the journal in -> (expected dump contents, final phase, action)
+EXPECTED = {
+    "staging": (OLD, "rolled-back", "rolled-back"),
+    "written": (OLD, "rolled-back", "rolled-back"),
+    "synced": (OLD, "rolled-back", "rolled-back"),
+    "old_moved": (NEW, "cleaned", "rolled-forward"),
+    "published": (NEW, "cleaned", "cleaned"),
+    "cleaned": (NEW, "cleaned", None),
+}
+
+
+@pytest.mark.parametrize("fault", PHASES)
+def test_recover_after_crash_at_each_phase(tmp_path, fault):
+    dump = tmp_path / "buf"
+    publish(dump, OLD)
+    publish(dump, NEW, fault=fault)
+    assert phases(dump)[0] == JOURNAL_PHASE.get(fault, fault)
+    want, final, action = EXPECTED[fault]
+    with dump_lock(dump):
+        actions = recover_publications(dump)
+        assert [a["action"] for a in actions] == ([action] if action else [])
+        assert all(a["kind"] == "publication" and a["target"] == str(dump) for a in actions)
+        assert recover_publications(dump) == []  # idempotent
+    assert tree(dump) == want
+    assert siblings(dump) == []
+    assert phases(dump) == [final, "cleaned"]
+    with DumpJournal(dump) as j:
+        assert j.unfinished_publications() == []
+
+
+@pytest.mark.parametrize("fault", ["synced", "old_moved"])
+def test_recover_first_publication(tmp_path, fault):
+    dump = tmp_path / "buf"
+    publish(dump, NEW, fault=fault)
+    with dump_lock(dump):
+        recover_publications(dump)
+    if fault == "synced":
+        assert not dump.exists()
+    else:
+        assert tree(dump) == NEW
+    assert siblings(dump) == []
+
+
+def test_recover_crash_between_rename_and_journal(tmp_path):
+    # Old dump renamed to .old but phase still "synced": roll back and restore it.
+    dump = tmp_path / "buf"
+    publish(dump, OLD)
+    publish(dump, NEW, fault="synced")
+    os.rename(dump, tmp_path / "buf.old")
+    with dump_lock(dump):
+        assert [a["action"] for a in recover_publications(dump)] == ["rolled-back"]
+    assert tree(dump) == OLD and siblings(dump) == []
+
+    # Staging renamed into place but phase still "old-moved": roll forward.
+    publish(dump, NEW, fault="old_moved")
+    staging = next(p for p in tmp_path.iterdir() if ".tmp-" in p.name)
+    os.rename(staging, dump)
+    with dump_lock(dump):
+        assert [a["action"] for a in recover_publications(dump)] == ["rolled-forward"]
+    assert tree(dump) == NEW and siblings(dump) == []
+
+
+def test_recover_without_journal(tmp_path):
+    dump = tmp_path / "buf"
+    write(tmp_path / "buf.old", OLD)
+    write(tmp_path / "buf.tmp-abc", NEW)
+    with dump_lock(dump):
+        actions = recover_publications(dump)
+    assert [a["action"] for a in actions] == ["restored-old", "removed-staging"]
+    assert tree(dump) == OLD and siblings(dump) == []
+    assert not dump_journal_path(dump).exists()  # recovery never creates a journal
+
+    write(tmp_path / "buf.old", NEW)
+    with dump_lock(dump):
+        assert [a["action"] for a in recover_publications(dump)] == ["removed-old"]
+        assert recover_publications(dump) == []
+    assert tree(dump) == OLD
+
+
+def test_phase_rules(tmp_path):
+    with DumpJournal(tmp_path / "buf") as j:
+        j.begin_publication(attempt_id="a", kind="dump", dump_id=None, staging_dir="s")
+        assert j.begin_publication(attempt_id="a", kind="dump", dump_id="x",
+                                   staging_dir="t")["staging_dir"] == "s"
+        j.set_phase("a", "written")
+        j.set_phase("a", "written")  # same phase: no-op
+        with pytest.raises(IllegalTransition, match="'a'.*written -> staging"):
+            j.set_phase("a", "staging")
+        j.set_phase("a", "old-moved")
+        with pytest.raises(IllegalTransition, match="old-moved -> failed"):
+            j.set_phase("a", "failed")
+        j.set_phase("a", "published")
+        with pytest.raises(IllegalTransition, match="published -> rolled-back"):
+            j.set_phase("a", "rolled-back")
+        j.set_phase("a", "cleaned")
+        with pytest.raises(IllegalTransition):
+            j.set_phase("a", "published")
+        j.begin_publication(attempt_id="b", kind="dump", dump_id=None, staging_dir="s")
+        j.set_phase("b", "failed", "boom")
+        with pytest.raises(IllegalTransition, match="failed -> rolled-back"):
+            j.set_phase("b", "rolled-back")
+        j.begin_publication(attempt_id="c", kind="checkpoint", dump_id=None, staging_dir="s")
+        assert [p["attempt_id"] for p in j.unfinished_publications()] == ["c"]
+        with pytest.raises(ValueError):
+            j.begin_publication(attempt_id="d", kind="bogus", dump_id=None, staging_dir="s")
+
+
+def test_dump_lock_serializes(tmp_path):
+    dump = tmp_path / "buf"
+    with dump_lock(dump):
+        with pytest.raises(Timeout):
+            dump_lock(dump, timeout=0.05).acquire()
+    with dump_lock(dump, timeout=0.05):
+        pass
+
+
+def test_fsync_helpers(tmp_path):
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 10)
+    fsync_file(f)
+    fsync_dir(tmp_path)
+    assert publish_dir_size(tmp_path) == 10
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from tqtx.dump.publish import Publication, dump_lock
+    from tqtx.journal.store import DumpJournal
+    dump = Path(sys.argv[1])
+    with dump_lock(dump), DumpJournal(dump) as j:
+        pub = Publication(dump, dump_id="d2", journal=j)
+        for i in range(3):
+            (pub.staging_dir / f"new-{i}").write_text("new" * 100)
+        pub.mark_written()
+        pub.commit()
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("point,expect", [("old_moved", "new"), ("synced", "old"),
+                                          ("published", "new")])
+def test_killed_child_recovers_to_old_or_new(tmp_path, point, expect):
+    dump = tmp_path / "buf"
+    write(dump, {"old-0": "old"})
+    env = dict(os.environ, TQTX_FAULTS=f"publish.after_{point}:kill")
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(dump)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    with dump_lock(dump):
+        recover_publications(dump)
+    contents = tree(dump)
+    old, new = {"old-0": "old"}, {f"new-{i}": "new" * 100 for i in range(3)}
+    assert contents == (new if expect == "new" else old)
+    assert siblings(dump) == []

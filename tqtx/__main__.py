@@ -1,0 +1,4 @@
+"""``python -m tqtx ...`` is the ``tqtx`` command."""
+from .cli import main
+
+main()

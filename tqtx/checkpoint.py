@@ -1,0 +1,124 @@
+"""Whole-system checkpoint: every unit writes its own file, the controller its metadata.
+
+Layout of ``<dir>``: ``checkpoint_info.json`` (manifest, written last), ``controller.msgpack``
+(metadata), ``metadata.json`` (the user's), ``units/unit-<k>.bin`` + ``.index`` (records in
+the dump format). Published like a dump: staged in a sibling, swapped via ``<dir>.old``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+
+from . import __version__
+from .dump import format as fmt
+from .dump.publish import Publication, dump_lock, recover_publications
+from .errors import DumpFormatError
+from .journal.store import DumpJournal
+from .wire.codec import packb, unpackb
+
+FORMAT_VERSION = 1
+MANIFEST = "checkpoint_info.json"
+
+
+def _write(path, data: bytes) -> dict:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(data), "crc32": zlib.crc32(data)}
+
+
+def save(client, ckpt_dir: str, *, metadata: dict | None = None) -> dict:
+    """See :func:`tqtx.save_checkpoint`."""
+    t0 = time.perf_counter()
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    user_meta = json.dumps(metadata or {}, indent=2)  # fails early on non-JSON metadata
+    snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
+    with dump_lock(ckpt_dir):
+        recover_publications(ckpt_dir)
+        with DumpJournal(ckpt_dir) as journal:
+            pub = Publication(ckpt_dir, kind="checkpoint", dump_id=None, journal=journal)
+            try:
+                units_dir = pub.staging_dir / "units"
+                units_dir.mkdir()
+                replies = client.fan_out("SAVE_CHECKPOINT", {
+                    u: {"path": str(units_dir / f"unit-{u}.bin")} for u in range(client.num_units)})
+                units = []
+                for u, r in sorted(replies.items()):
+                    idx = _write(units_dir / f"unit-{u}.index", packb(r["entries"]))
+                    units.append({"unit": u, "file": f"units/unit-{u}.bin", "size": r["bytes"],
+                                  "rows": r["rows"], "index": {"file": f"units/unit-{u}.index",
+                                                               **idx}})
+                ctl = _write(pub.staging_dir / "controller.msgpack", packb(snap["metadata"]))
+                _write(pub.staging_dir / "metadata.json", user_meta.encode())
+                manifest = {"format_version": FORMAT_VERSION, "kind": "tqtx-checkpoint",
+                            "num_units": client.num_units, "tqtx_version": __version__,
+                            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "controller": {"file": "controller.msgpack", **ctl}, "units": units}
+                _write(pub.staging_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
+                pub.mark_written()
+                total = pub.commit()
+            except BaseException as exc:
+                pub.abort(f"{type(exc).__name__}: {exc}")
+                raise
+    return {"dir": ckpt_dir, "bytes": total, "num_units": client.num_units,
+            "keys": sum(len(p["rows"]) for p in snap["metadata"]["partitions"].values()),
+            "seconds": time.perf_counter() - t0}
+
+
+def _read_checked(path, entry: dict) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise DumpFormatError(f"{path}: cannot read: {exc}") from None
+    if len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]:
+        raise DumpFormatError(f"{path}: size or checksum does not match {MANIFEST}")
+    return data
+
+
+def load(client, ckpt_dir: str) -> dict:
+    """See :func:`tqtx.load_checkpoint`."""
+    t0 = time.perf_counter()
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    with dump_lock(ckpt_dir):
+        recover_publications(ckpt_dir)
+        mpath = os.path.join(ckpt_dir, MANIFEST)
+        try:
+            with open(mpath) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise DumpFormatError(f"{mpath}: missing (not a tqtx checkpoint)") from None
+        except ValueError as exc:
+            raise DumpFormatError(f"{mpath}: not valid JSON: {exc}") from None
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise DumpFormatError(f"{mpath}: format_version {manifest.get('format_version')} "
+                                  f"is not supported (this tqtx reads {FORMAT_VERSION})")
+        if manifest["num_units"] != client.num_units:
+            raise ValueError(f"unit count mismatch: checkpoint {ckpt_dir} was saved with "
+                             f"{manifest['num_units']} units, this deployment has "
+                             f"{client.num_units}")
+        meta = unpackb(_read_checked(os.path.join(ckpt_dir, "controller.msgpack"),
+                                     manifest["controller"]))
+        per_unit = {}
+        for entry in manifest["units"]:
+            rel = entry["file"]
+            if os.path.isabs(rel) or ".." in rel.split("/"):
+                raise DumpFormatError(f"{mpath}: unit file {rel!r} escapes the checkpoint")
+            entries = unpackb(_read_checked(os.path.join(ckpt_dir, entry["index"]["file"]),
+                                            entry["index"]))
+            path = os.path.join(ckpt_dir, rel)
+            if os.path.getsize(path) != entry["size"]:
+                raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
+                                      f"{MANIFEST} ({entry['size']})")
+            per_unit[entry["unit"]] = {"path": path, "entries": entries}
+        # The controller refuses while a restore is unresolved, before any unit is touched.
+        client.controller.call("CHECKPOINT_SNAPSHOT", {})
+        client.fan_out("LOAD_CHECKPOINT", per_unit)
+        client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta})
+    with open(os.path.join(ckpt_dir, "metadata.json")) as f:
+        user = json.load(f)
+    return {"dir": ckpt_dir, "metadata": user, "seconds": time.perf_counter() - t0,
+            "keys": sum(len(p["rows"]) for p in meta["partitions"].values())}

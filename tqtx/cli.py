@@ -1,0 +1,203 @@
+"""The ``tqtx`` command line: run deployments, inspect dumps, audit journals, demo, bench."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from . import __version__
+
+
+@click.group()
+@click.version_option(__version__, prog_name="tqtx")
+def main() -> None:
+    """tqtx: transactional save/restore for RL data buffers."""
+
+
+def _journal_group():
+    from .journal.cli import journal
+    return journal
+
+
+main.add_command(_journal_group())
+
+
+# ---------------------------------------------------------------- processes
+@main.command()
+@click.option("--units", "num_units", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--port", type=int, default=0, help="Controller port (0 = any free port).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--state-dir", default=None, help="Controller state dir (journal, logs).")
+@click.option("--insecure", is_flag=True, help="Allow binding a non-loopback host without keys.")
+def serve(num_units, port, host, state_dir, insecure):
+    """Run a whole deployment (controller + units) in the foreground."""
+    import signal
+    import threading
+
+    from .deploy import LocalDeployment
+    from .journal.store import default_state_dir
+    env = {"TQTX_INSECURE": "1"} if insecure else {}
+    dep = LocalDeployment(num_units=num_units, state_dir=state_dir or str(default_state_dir()),
+                          host=host, port=port, env=env)
+    click.echo(json.dumps({"address": dep.address, "num_units": num_units,
+                           "state_dir": dep.state_dir, "pids": dep.pids}))
+    click.echo(f"tqtx serving at {dep.address}; attach with TQTX_ADDRESS={dep.address}",
+               err=True)
+    sys.stdout.flush()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    while not stop.wait(0.5):
+        for name, proc in dep.procs.items():
+            if proc.poll() is not None:
+                click.echo(f"{name} exited with code {proc.returncode}; stopping", err=True)
+                stop.set()
+    dep.stop()
+
+
+@main.command()
+@click.option("--units", "num_units", type=click.IntRange(min=1), required=True)
+@click.option("--port", type=int, default=0)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--state-dir", default=None)
+@click.option("--insecure", is_flag=True)
+def controller(num_units, port, host, state_dir, insecure):
+    """Run only the controller (units join with `tqtx unit`)."""
+    from .controller.__main__ import main as run
+    from .journal.store import default_state_dir
+    if insecure:
+        os.environ["TQTX_INSECURE"] = "1"
+    sys.exit(run(["--units", str(num_units), "--port", str(port), "--host", host,
+                  "--state-dir", state_dir or str(default_state_dir())]))
+
+
+@main.command()
+@click.option("--controller", "controller_address", required=True, help="tcp://host:port")
+@click.option("--unit-id", type=int, required=True)
+@click.option("--port", type=int, default=0)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--insecure", is_flag=True)
+def unit(controller_address, unit_id, port, host, insecure):
+    """Run one storage unit that registers with a controller."""
+    from .storage.__main__ import main as run
+    if insecure:
+        os.environ["TQTX_INSECURE"] = "1"
+    sys.exit(run(["--controller", controller_address, "--unit-id", str(unit_id), "--port",
+                  str(port), "--host", host]))
+
+
+# ---------------------------------------------------------------- dumps
+def _dump_error(exc, as_json):
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": str(exc)}))
+    else:
+        click.echo(f"error: {exc}", err=True)
+    sys.exit(1)
+
+
+@main.command()
+@click.argument("dump_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def inspect(dump_dir, as_json):
+    """Summarize a dump: partition, keys, fields, shards, sample tags (reads no payload)."""
+    from .dump.format import inspect_dump
+    from .errors import DumpFormatError
+    try:
+        info = inspect_dump(dump_dir)
+    except (DumpFormatError, OSError) as exc:
+        _dump_error(exc, as_json)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    con.print(f"[bold]dump[/bold] {info.get('dump_dir', dump_dir)}")
+    for k in ("partition_id", "dump_id", "format_version", "created_at", "keys",
+              "rows_with_data", "bytes"):
+        if k in info:
+            con.print(f"  {k}: {info[k]}")
+    t = Table("field", "kind", "dtype", "shape", "jagged", title="fields")
+    for name, f in (info.get("fields") or {}).items():
+        t.add_row(name, str(f.get("kind")), str(f.get("dtype", "")), str(f.get("shape", "")),
+                  str(f.get("jagged", "")))
+    con.print(t)
+    t = Table("file", "size", "records", title="shards")
+    for s in info.get("shards") or []:
+        t.add_row(str(s.get("file")), str(s.get("size")), str(s.get("records")))
+    con.print(t)
+    for tag in info.get("tags_sample") or info.get("tag_sample") or []:
+        con.print(f"  tag: {tag}")
+
+
+@main.command()
+@click.argument("dump_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def verify(dump_dir, as_json):
+    """Check every record's range and checksum; exit 1 naming the failing file/row."""
+    from .dump.format import verify_dump
+    from .errors import DumpFormatError
+    try:
+        report = verify_dump(dump_dir)
+    except (DumpFormatError, OSError) as exc:
+        _dump_error(exc, as_json)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        status = "OK" if report["ok"] else "CORRUPT"
+        click.echo(f"{status}: {report['records']} records, {report['bytes']} bytes in {dump_dir}")
+        for e in report["errors"]:
+            click.echo(f"  {e.get('file')}: global index {e.get('global_index')} "
+                       f"key {e.get('key')!r}: {e.get('error')}")
+    sys.exit(0 if report["ok"] else 1)
+
+
+# ---------------------------------------------------------------- operators
+@main.command()
+@click.option("--address", default=None, help="Controller address (default $TQTX_ADDRESS).")
+@click.option("--json", "as_json", is_flag=True)
+def stats(address, as_json):
+    """Per-process statistics of a running deployment."""
+    from .client import Client
+    address = address or os.environ.get("TQTX_ADDRESS")
+    if not address:
+        raise click.UsageError("give --address or set TQTX_ADDRESS")
+    client = Client(address, timeout=30)
+    try:
+        data = client.stats()
+    finally:
+        client.close()
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    t = Table("process", "uptime s", "rows/keys", "bytes", "open restores")
+    c = data["controller"]
+    t.add_row("controller", f"{c['uptime']:.0f}", str(c["keys"]), "-", str(len(c["open_restores"])))
+    for u in data["units"]:
+        t.add_row(f"unit {u['unit_id']}", f"{u['uptime']:.0f}", str(u["rows"]), str(u["bytes"]),
+                  str(len(u.get("staged_restores", []))))
+    Console().print(t)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def demo(ctx):
+    """The main job: put, dump a subset, restart on another topology, restore, verify."""
+    from .demo import main as demo_main
+    sys.exit(demo_main(ctx.args))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def bench(ctx):
+    """Dump/restore benchmark against the client-side path and the disk (see docs)."""
+    from .bench import main as bench_main
+    sys.exit(bench_main(ctx.args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The client: orchestration between the controller (metadata) and the units (payload)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .errors import TqtxError
+from .wire.rpc import DEFAULT_TIMEOUT, Peer, call_many
+
+
+@dataclass
+class KVBatchMeta:
+    """What a put returns and ``kv_batch_get_by_meta`` takes."""
+    keys: list = field(default_factory=list)
+    tags: list = field(default_factory=list)
+    partition_id: str | None = None
+    fields: list = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.keys)
+
+
+def check_keys(keys, what: str = "keys") -> list[str]:
+    if isinstance(keys, str):
+        raise TypeError(f"{what} must be a list of str, not a single str")
+    keys = list(keys)
+    if not keys:
+        raise ValueError(f"{what} must not be empty")
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"{what} must be str; got {type(bad[0]).__name__} {bad[0]!r}")
+    if len(set(keys)) != len(keys):
+        seen, dups = set(), []
+        for k in keys:
+            if k in seen:
+                dups.append(k)
+            seen.add(k)
+        raise ValueError(f"duplicate keys in one call: {dups[:10]}")
+    return keys
+
+
+def check_partition(pid) -> str:
+    if not isinstance(pid, str) or not pid:
+        raise TypeError(f"partition_id must be a non-empty str, got {pid!r}")
+    return pid
+
+
+class Client:
+    """Talks to one deployment. Thread-safe: every thread gets its own sockets."""
+
+    def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT, deployment=None,
+                 curve=None, wait_ready: float = 60.0):
+        self.address = address
+        self.timeout = timeout
+        self.deployment = deployment
+        self.curve = curve
+        self._local = threading.local()
+        self._all_peers: list[Peer] = []
+        self._peers_lock = threading.Lock()
+        deadline = time.monotonic() + wait_ready
+        while True:
+            topo = self.controller.call("TOPOLOGY", timeout=min(timeout, wait_ready))
+            if topo["ready"]:
+                break
+            if time.monotonic() > deadline:
+                raise TqtxError(f"deployment at {address}: only "
+                                f"{sum(1 for u in topo['units'] if u)} of {topo['num_units']} "
+                                f"units registered within {wait_ready:.0f}s")
+            time.sleep(0.05)
+        self.topology = topo
+        self.num_units = topo["num_units"]
+        self.unit_addresses = topo["units"]
+
+    # ---------------------------------------------------------------- peers
+    def _liveness(self, name):
+        return self.deployment.liveness(name) if self.deployment is not None else None
+
+    def _new_peer(self, address, name) -> Peer:
+        p = Peer(address, name, timeout=self.timeout, liveness=self._liveness(name),
+                 curve=self.curve)
+        with self._peers_lock:
+            self._all_peers.append(p)
+        return p
+
+    @property
+    def controller(self) -> Peer:
+        p = getattr(self._local, "controller", None)
+        if p is None:
+            p = self._local.controller = self._new_peer(self.address, "controller")
+        return p
+
+    def unit(self, uid: int) -> Peer:
+        units = getattr(self._local, "units", None)
+        if units is None:
+            units = self._local.units = {}
+        p = units.get(uid)
+        if p is None:
+            p = units[uid] = self._new_peer(self.unit_addresses[uid], f"unit {uid}")
+        return p
+
+    def refresh_topology(self) -> None:
+        topo = self.controller.call("TOPOLOGY")
+        if topo["units"] != self.unit_addresses:
+            self.unit_addresses = topo["units"]
+            self._local.units = {}
+
+    def payload_bytes_received(self) -> int:
+        """Payload bytes this client received from units (tensor frames), across threads."""
+        return sum(p.bytes_received for p in self._all_peers if p.name.startswith("unit"))
+
+    def close(self) -> None:
+        with self._peers_lock:
+            for p in self._all_peers:
+                p.close()
+            self._all_peers.clear()
+        self._local = threading.local()
+
+    # ---------------------------------------------------------------- routing
+    def owner(self, index: int) -> int:
+        """Routing: a pure function of the global index and the ordered unit list."""
+        return index % self.num_units
+
+    def fan_out(self, op: str, per_unit: dict[int, dict], timeout: float | None = None) -> dict:
+        """One request per unit, all at once; waits for every unit, then raises the first error."""
+        uids = sorted(per_unit)
+        results = call_many([(self.unit(u), op, per_unit[u]) for u in uids], timeout=timeout)
+        return dict(zip(uids, results))
+
+    # ---------------------------------------------------------------- kv
+    def put_columns(self, keys: list[str], pid: str, columns: dict[str, list],
+                    schemas: dict[str, dict], tags: list | None) -> list[str]:
+        """Store rows (columns of per-row values) for ``keys``; returns the common fields."""
+        alloc = self.controller.call("ALLOC", {"partition_id": pid, "keys": keys,
+                                               "schemas": schemas})
+        indexes = alloc["indexes"]
+        if columns:
+            fresh = set(alloc["fresh"])
+            per_unit: dict[int, dict] = {}
+            names = list(columns)
+            cols = [columns[f] for f in names]
+            for i, idx in enumerate(indexes):
+                req = per_unit.get(idx % self.num_units)
+                if req is None:
+                    req = per_unit[idx % self.num_units] = {"rows": [], "fresh": []}
+                req["rows"].append([idx, {f: c[i] for f, c in zip(names, cols)}])
+                if idx in fresh:
+                    req["fresh"].append(idx)
+            self.fan_out("PUT_ROWS", per_unit)
+        elif alloc["fresh"]:
+            per_unit = {}
+            for idx in alloc["fresh"]:
+                per_unit.setdefault(idx % self.num_units, {"rows": [], "fresh": []})["fresh"].append(idx)
+            self.fan_out("PUT_ROWS", per_unit)
+        res = self.controller.call("COMMIT_PUT", {"partition_id": pid, "keys": keys,
+                                                  "fields": list(columns), "schemas": schemas,
+                                                  "tags": tags})
+        return res["fields"]
+
+    def get_columns(self, keys: list[str], pid: str, select_fields=None):
+        """Fetch rows in request order: returns (columns, schemas)."""
+        meta = self.controller.call("LOOKUP", {"partition_id": pid, "keys": keys,
+                                               "select_fields": select_fields})
+        fields, indexes = meta["fields"], meta["indexes"]
+        columns = {f: [None] * len(keys) for f in fields}
+        if fields:
+            per_unit: dict[int, dict] = {}
+            positions: dict[int, list[int]] = {}
+            for pos, idx in enumerate(indexes):
+                u = idx % self.num_units
+                per_unit.setdefault(u, {"indexes": [], "fields": fields})["indexes"].append(idx)
+                positions.setdefault(u, []).append(pos)
+            replies = self.fan_out("GET_ROWS", per_unit)
+            for u, reply in replies.items():
+                for pos, row in zip(positions[u], reply["rows"]):
+                    for f, v in zip(fields, row):
+                        columns[f][pos] = v
+        return columns, meta["schemas"]
+
+    def list_keys(self, pid=None) -> dict:
+        return self.controller.call("LIST", {"partition_id": pid})
+
+    def clear(self, keys: list[str], pid: str) -> int:
+        res = self.controller.call("CLEAR", {"partition_id": pid, "keys": keys})
+        freed = res["freed"]
+        if freed:
+            per_unit: dict[int, dict] = {}
+            for idx in freed:
+                per_unit.setdefault(idx % self.num_units, {"indexes": []})["indexes"].append(idx)
+            self.fan_out("DROP_ROWS", per_unit)
+        return len(freed)
+
+    def stats(self) -> dict:
+        out = {"controller": self.controller.call("STATS")}
+        replies = self.fan_out("STATS", {u: {} for u in range(self.num_units)})
+        out["units"] = [replies[u] for u in range(self.num_units)]
+        return out

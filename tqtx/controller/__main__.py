@@ -1,0 +1,38 @@
+"""``python -m tqtx.controller``: run a controller process (used by tq.init and tqtx serve)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tqtx.controller")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--units", type=int, required=True)
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--parent-fd", type=int, default=-1)
+    ap.add_argument("--log-file", default=None)
+    args = ap.parse_args(argv)
+    from ..proc import announce, setup_logging, stop_on_signals, watch_parent
+    watch_parent(args.parent_fd)
+    setup_logging(log_file=args.log_file, name="controller")
+    from ..security import server_curve_for, client_curve_for
+    try:
+        from .server import Controller
+        ctl = Controller(num_units=args.units, state_dir=args.state_dir, host=args.host,
+                         port=args.port, curve=server_curve_for(args.host, args.state_dir),
+                         client_curve=client_curve_for(args.state_dir))
+    except Exception as exc:
+        announce({"error": type(exc).__name__, "message": str(exc)})
+        return 2
+    stop_on_signals(ctl.server.stop)
+    announce({"ready": ctl.address, "pid": os.getpid(), "incarnation": ctl.incarnation,
+              "recovered": len(ctl.recovered)})
+    ctl.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Start and stop a deployment: one controller and N storage-unit processes (no torch)."""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import time
+
+from .errors import PeerDiedError, StateDirInUseError, TqtxError
+
+log = logging.getLogger("tqtx.deploy")
+
+
+def _read_announcement(proc: subprocess.Popen, what: str, timeout: float) -> dict:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    buf = b""
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            for line in buf.split(b"\n"):
+                if line.startswith(b"TQTX "):
+                    return json.loads(line[5:])
+    finally:
+        sel.close()
+    rc = proc.poll()
+    raise TqtxError(f"{what} did not start within {timeout:.0f}s"
+                    + (f" (exit code {rc})" if rc is not None else ""))
+
+
+class LocalDeployment:
+    """A controller and ``num_units`` units as child processes of this one.
+
+    Children exit when this process dies (they watch a pipe), and on :meth:`stop`.
+    """
+
+    def __init__(self, *, num_units: int = 2, state_dir: str, host: str = "127.0.0.1",
+                 port: int = 0, start_timeout: float = 60.0, env: dict | None = None,
+                 unit_env: dict | None = None):
+        self.num_units = num_units
+        self.state_dir = os.path.abspath(state_dir)
+        self.host = host
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.pids: dict[str, int] = {}
+        self._parent_r, self._parent_w = os.pipe()
+        os.set_inheritable(self._parent_r, False)
+        self.env = {**os.environ, **(env or {})}
+        self.unit_env = unit_env or {}
+        self.stopped = False
+        log_dir = os.path.join(self.state_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        try:
+            ctl = self._spawn("controller", [
+                "-m", "tqtx.controller", "--units", str(num_units), "--state-dir",
+                self.state_dir, "--host", host, "--port", str(port),
+                "--log-file", os.path.join(log_dir, "controller.log")], start_timeout)
+            self.address = ctl["ready"]
+            self.incarnation = ctl.get("incarnation")
+            procs = []
+            for uid in range(num_units):
+                procs.append((f"unit {uid}", self._start(f"unit {uid}", [
+                    "-m", "tqtx.storage", "--controller", self.address, "--unit-id", str(uid),
+                    "--host", host, "--state-dir", self.state_dir,
+                    "--log-file", os.path.join(log_dir, f"unit-{uid}.log")],
+                    {**self.env, **self.unit_env.get(uid, {})})))
+            for name, proc in procs:
+                self._ready(name, proc, start_timeout)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+        atexit.register(self.stop)
+
+    def _start(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
+        args = [*args, "--parent-fd", str(self._parent_r)]
+        proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, env=env,
+                                pass_fds=(self._parent_r,), stdin=subprocess.DEVNULL)
+        self.procs[name] = proc
+        self.pids[name] = proc.pid
+        return proc
+
+    def _ready(self, name: str, proc: subprocess.Popen, timeout: float) -> dict:
+        msg = _read_announcement(proc, name, timeout)
+        if "error" in msg:
+            if msg["error"] == "StateDirInUseError":
+                raise StateDirInUseError(msg["message"])
+            if msg["error"] == "PermissionError":
+                raise PermissionError(msg["message"])
+            raise TqtxError(f"{name} failed to start: {msg['error']}: {msg['message']}")
+        return msg
+
+    def _spawn(self, name: str, args: list[str], timeout: float) -> dict:
+        return self._ready(name, self._start(name, args, self.env), timeout)
+
+    def liveness(self, name: str):
+        """A callable telling why process ``name`` is gone (None while it runs)."""
+        def check():
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is None:
+                return None
+            return f"pid {proc.pid} exited with code {proc.returncode}"
+        return check
+
+    def restart_unit(self, uid: int, timeout: float = 60.0, env: dict | None = None) -> None:
+        """Start unit ``uid`` again (after it died); it re-registers, empty."""
+        name = f"unit {uid}"
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        proc = self._start(name, ["-m", "tqtx.storage", "--controller", self.address,
+                                  "--unit-id", str(uid), "--host", self.host, "--state-dir",
+                                  self.state_dir], {**self.env, **(env or {})})
+        self._ready(name, proc, timeout)
+
+    def stop(self, graceful: bool = True, timeout: float = 10.0) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        procs = list(self.procs.items())
+        if graceful:
+            # units first, then the controller, so the journal records a clean end
+            for name, proc in sorted(procs, key=lambda p: p[0] == "controller"):
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout)
+                    except subprocess.TimeoutExpired:
+                        pass
+        for name, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for fd in (self._parent_r, self._parent_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise PeerDiedError(f"{name} (pid {proc.pid}) exited with code {proc.returncode}")

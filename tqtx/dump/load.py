@@ -1,0 +1,277 @@
+"""Transactional restore by key: validate, reserve, units stage, commit or abandon.
+
+Lifecycle (each step journaled by the controller; the dump journal marks the dump as
+being read): BEGIN_RESTORE reserves indexes and records a pending claim per target
+unit; each unit claims, reads only its byte ranges, verifies and stages; FINISH_RESTORE
+journals the decision, has units apply, then publishes metadata. Any failure before
+the decision drops staged rows and releases reservations: nothing becomes visible.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import filelock
+
+from .. import faults
+from ..errors import DumpFormatError, PeerDiedError, PeerTimeoutError, RestorePendingError
+from ..journal.store import DumpJournal, controller_journal_path, dump_journal_path
+from ..wire.rpc import call_many, new_id
+from . import format as fmt
+from .publish import dump_lock, recover_publications
+
+log = logging.getLogger("tqtx.restore")
+
+FINAL = {"committed", "aborted", "cancelled", "failed"}
+
+
+def _pending(rec: dict, reason: str, what: str = "") -> RestorePendingError:
+    units = {u["unit_id"]: u["state"] for u in rec.get("units", [])}
+    err = RestorePendingError(restore_id=rec["restore_id"], dump_dir=rec.get("dump_dir"),
+                              reason=reason, units=units, partition_id=rec.get("partition_id"))
+    if what:
+        return RestorePendingError(f"{what} refused: {err}", restore_id=err.restore_id,
+                                   dump_dir=err.dump_dir, reason=reason, units=units,
+                                   partition_id=err.partition_id)
+    return err
+
+
+def _controller_alive(state_dir: str) -> bool | None:
+    """Is a controller holding ``state_dir``? None when that journal does not exist."""
+    if not state_dir or not controller_journal_path(state_dir).exists():
+        return None
+    lock = filelock.FileLock(os.path.join(state_dir, "controller.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return True
+    lock.release()
+    return False
+
+
+def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, action: str) -> None:
+    """Resolve a dump-journal 'reading' row if its restore ended; else raise RestorePendingError."""
+    rid = row["restore_id"]
+    ours = os.path.abspath(row.get("controller_state_dir") or "") == os.path.abspath(
+        client.topology["state_dir"])
+    if ours:
+        rec = client.controller.call("GET_RESTORE", {"restore_id": rid})["restore"]
+        if rec is None:
+            raise _pending({"restore_id": rid, "dump_dir": dump_dir,
+                            "partition_id": row.get("partition_id")}, "unknown_restore", action)
+        if rec["state"] in FINAL:
+            journal.finish_restore(rid, rec["state"])
+            return
+        claimed = any(u["state"] == "claimed" for u in rec["units"])
+        raise _pending(rec, "unit_running" if claimed else "in_progress", action)
+    alive = _controller_alive(row.get("controller_state_dir"))
+    if alive is False:
+        # Its controller is gone, and its metadata with it: that restore can never commit.
+        journal.finish_restore(rid, "aborted")
+        log.warning("restore %s reading %s belonged to a controller that is gone; marked aborted",
+                    rid, dump_dir)
+        return
+    reason = "other_controller" if alive else "unknown_restore"
+    raise _pending({"restore_id": rid, "dump_dir": dump_dir,
+                    "partition_id": row.get("partition_id")}, reason, action)
+
+
+def _mark_dump_journal(dump_dir: str, rid: str, state: str) -> None:
+    with dump_lock(dump_dir):
+        with DumpJournal(dump_dir) as dj:
+            row = dj.get_restore(rid)
+            if row is not None and row["state"] == "reading":
+                dj.finish_restore(rid, state)
+
+
+def _finish(client, rid: str, *, commit: bool, cancel: bool = False, reason: str | None = None,
+            dump_dir: str = "", attempts: int = 3) -> dict:
+    """FINISH_RESTORE, retried after a lost reply (the journal makes it idempotent)."""
+    body = {"restore_id": rid, "commit": commit, "cancel": cancel, "reason": reason}
+    last = None
+    for _ in range(attempts):
+        try:
+            return client.controller.call("FINISH_RESTORE", body)
+        except PeerTimeoutError as exc:
+            last = exc
+            log.warning("restore %s: FINISH_RESTORE reply lost (%s); retrying", rid, exc)
+    raise RestorePendingError(
+        f"restore {rid} of {dump_dir!r}: the controller did not answer FINISH_RESTORE "
+        f"({last}); its outcome is in the controller journal. Settle it with "
+        f"tqtx.recover_data_load({dump_dir!r}).", restore_id=rid, dump_dir=dump_dir,
+        reason="lost_reply")
+
+
+def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
+                     via: str = "units") -> dict:
+    """See :func:`tqtx.load_data_by_key`."""
+    if via not in ("units", "client"):
+        raise ValueError(f"via must be 'units' or 'client', got {via!r}")
+    t0 = time.perf_counter()
+    dump_dir = os.path.abspath(dump_dir)
+    if not os.path.isdir(dump_dir) and not os.path.exists(dump_dir + ".lock"):
+        raise DumpFormatError(f"{dump_dir}: no such dump directory")
+    if via == "client":
+        return _load_via_client(client, dump_dir, partition_id, t0)
+    rid = new_id()
+    with dump_lock(dump_dir):
+        recover_publications(dump_dir)
+        index = fmt.read_dump_index(dump_dir)  # every check that needs no payload, before any write
+        pid = partition_id or index.partition_id
+        with DumpJournal(dump_dir) as dj:
+            for row in dj.active_restores():
+                settle_reader(client, dj, dump_dir, row, action="a second load of this dump")
+            rows = [[key, list(fields), tag] for key, _src, fields, tag in index.rows]
+            nbytes = sum(s["size"] for s in index.shards)
+            plan = client.controller.call("BEGIN_RESTORE", {
+                "restore_id": rid, "partition_id": pid, "dump_dir": dump_dir,
+                "dump_id": index.dump_id, "rows": rows, "field_schema": index.field_schema,
+                "bytes": nbytes})
+            try:
+                dj.begin_restore(restore_id=rid, controller_address=client.address,
+                                 incarnation_id=plan["incarnation"],
+                                 controller_state_dir=client.topology["state_dir"],
+                                 partition_id=pid)
+            except BaseException as exc:
+                _finish(client, rid, commit=False, reason=f"dump journal: {exc}", dump_dir=dump_dir)
+                raise
+    faults.hit("client.restore.after_begin")
+    log.info("restore %s: begun from %s into %r (units %s)", rid, dump_dir, pid, plan["units"])
+
+    locations = index.record_locations()
+    per_unit: dict[int, dict] = {}
+    read_bytes = 0
+    for (key, src, fields, _tag), dest, new in zip(index.rows, plan["indexes"], plan["new"]):
+        if not fields:
+            continue
+        path, offset, length, crc = locations[src]
+        u = dest % plan["num_units"]
+        per_unit.setdefault(u, {"restore_id": rid, "unit_id": u,
+                                "field_schema": index.field_schema, "items": []}
+                            )["items"].append([dest, bool(new), str(path), offset, length, crc, src])
+        read_bytes += length
+    uids = sorted(per_unit)
+    results = call_many([(client.unit(u), "LOAD_ROWS", per_unit[u]) for u in uids],
+                        raise_first=False)
+    errors = [(u, r) for u, r in zip(uids, results) if isinstance(r, BaseException)]
+    if errors:
+        rec = client.controller.call("GET_RESTORE", {"restore_id": rid})["restore"]
+        timed_out = {u for u, e in errors if isinstance(e, PeerTimeoutError)}
+        running = [x["unit_id"] for x in rec["units"]
+                   if x["state"] == "claimed" and x["unit_id"] in timed_out]
+        if running:
+            # A unit that claimed permission may still be writing its staging area: the
+            # restore stays open until it reports (recover_data_load settles it).
+            raise _pending(rec, "unit_running",
+                           f"restore {rid}: unit(s) {running} did not reply in time;")
+        first = errors[0][1]
+        out = _finish(client, rid, commit=False, reason=f"unit {errors[0][0]}: {first}",
+                      dump_dir=dump_dir)
+        _mark_dump_journal(dump_dir, rid, out["outcome"])
+        if isinstance(first, PeerDiedError):
+            raise first
+        raise first
+    faults.hit("client.restore.before_finish")
+    out = _finish(client, rid, commit=True, dump_dir=dump_dir)
+    _mark_dump_journal(dump_dir, rid, out["outcome"])
+    if out["outcome"] != "committed":
+        raise RuntimeError(f"restore {rid} of {dump_dir} was {out['outcome']}: {out['reason']}")
+    new_keys = sum(1 for n in plan["new"] if n)
+    report = {"restore_id": rid, "keys": len(index.rows), "new_keys": new_keys,
+              "rows_with_data": sum(len(b["items"]) for b in per_unit.values()),
+              "shards": len(index.shards), "bytes": read_bytes, "units": uids,
+              "seconds": time.perf_counter() - t0, "partition_id": pid, "dump_dir": dump_dir}
+    log.info("restore %s: committed %d keys (%d new) in %.3fs", rid, report["keys"], new_keys,
+             report["seconds"])
+    return report
+
+
+def _load_via_client(client, dump_dir: str, partition_id, t0) -> dict:
+    """Fallback when units cannot reach the dump: the client reads and puts (not transactional)."""
+    with dump_lock(dump_dir):
+        recover_publications(dump_dir)
+        index = fmt.read_dump_index(dump_dir)
+        if dump_journal_path(dump_dir).exists():
+            with DumpJournal(dump_dir) as dj:
+                for row in dj.active_restores():
+                    settle_reader(client, dj, dump_dir, row, action="a load of this dump")
+    pid = partition_id or index.partition_id
+    client.controller.call("VALIDATE_DUMP_SCHEMA", {"partition_id": pid,
+                                                    "field_schema": index.field_schema})
+    by_src = {src: (key, fields, tag) for key, src, fields, tag in index.rows}
+    rows_by_key: dict[str, dict] = {}
+    read_bytes = 0
+    for shard in index.shards:
+        for batch in fmt.read_records(shard["path"], shard["records"], batch=128):
+            for src, row in batch:
+                key, fields, _tag = by_src[src]
+                fmt.validate_row(row, index.field_schema, where=f"{shard['path']} global index {src}")
+                rows_by_key[key] = row
+        read_bytes += shard["size"]
+    groups: dict[tuple, list] = {}
+    for key, src, fields, tag in index.rows:
+        groups.setdefault(tuple(fields), []).append((key, tag))
+    existing = set(client.list_keys(pid).get(pid, {}))
+    for fields, members in groups.items():
+        for start in range(0, len(members), 1024):
+            chunk = members[start:start + 1024]
+            keys = [k for k, _ in chunk]
+            columns = {f: [rows_by_key[k][f] for k in keys] for f in fields}
+            schemas = {f: index.field_schema[f] for f in fields}
+            client.put_columns(keys, pid, columns, schemas, [t or {} for _, t in chunk])
+    return {"restore_id": None, "keys": len(index.rows),
+            "new_keys": sum(1 for r in index.rows if r[0] not in existing),
+            "rows_with_data": len(rows_by_key), "shards": len(index.shards), "bytes": read_bytes,
+            "units": [], "seconds": time.perf_counter() - t0, "partition_id": pid,
+            "dump_dir": dump_dir, "via": "client"}
+
+
+def recover_data_load(client, dump_dir: str, *, cancel: bool = False) -> bool:
+    """See :func:`tqtx.recover_data_load`."""
+    dump_dir = os.path.abspath(dump_dir)
+    rids: dict[str, dict | None] = {}
+    for rec in client.controller.call("LIST_RESTORES", {})["restores"]:
+        if os.path.abspath(rec["dump_dir"]) == dump_dir:
+            rids[rec["restore_id"]] = None
+    if dump_journal_path(dump_dir).exists():
+        with dump_lock(dump_dir):
+            recover_publications(dump_dir)
+            with DumpJournal(dump_dir) as dj:
+                for row in dj.active_restores():
+                    rids[row["restore_id"]] = row
+    ok = True
+    for rid, row in rids.items():
+        ok = _settle(client, dump_dir, rid, row, cancel) and ok
+    return ok
+
+
+def _settle(client, dump_dir: str, rid: str, row: dict | None, cancel: bool) -> bool:
+    rec = client.controller.call("GET_RESTORE", {"restore_id": rid})["restore"]
+    if rec is None:
+        if row is not None and os.path.abspath(row.get("controller_state_dir") or "") != \
+                os.path.abspath(client.topology["state_dir"]):
+            if _controller_alive(row.get("controller_state_dir")) is False:
+                _mark_dump_journal(dump_dir, rid, "aborted")
+                return False
+        if cancel:
+            _mark_dump_journal(dump_dir, rid, "cancelled")
+            log.warning("restore %s of %s: unknown to the controller; cancelled", rid, dump_dir)
+            return False
+        raise _pending({"restore_id": rid, "dump_dir": dump_dir,
+                        "partition_id": (row or {}).get("partition_id")}, "unknown_restore")
+    if rec["state"] not in FINAL:
+        states = {u["unit_id"]: u["state"] for u in rec["units"]}
+        if cancel:
+            out = _finish(client, rid, commit=False, cancel=True, reason="cancelled by "
+                          "recover_data_load", dump_dir=dump_dir)
+        elif "claimed" in states.values():
+            raise _pending(rec, "unit_running")
+        elif all(s == "staged" for s in states.values()):
+            out = _finish(client, rid, commit=True, dump_dir=dump_dir)
+        else:
+            out = _finish(client, rid, commit=False, reason="recovered: not every unit staged",
+                          dump_dir=dump_dir)
+        rec = {**rec, "state": out["outcome"]}
+    _mark_dump_journal(dump_dir, rid, rec["state"])
+    return rec["state"] == "committed"

@@ -1,0 +1,256 @@
+"""Selective dump by key: the client orchestrates, the owning units write their rows.
+
+The controller describes the rows (metadata only); each owner unit snapshots its rows
+and writes one shard; the client writes the row index and manifest and publishes the
+staging directory crash-safely (see :mod:`tqtx.dump.publish`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from .. import __version__, faults
+from ..errors import RestorePendingError
+from ..journal.store import DumpJournal
+from ..wire.rpc import call_many, new_id
+from . import format as fmt
+from .publish import Publication, dump_lock, recover_publications
+
+log = logging.getLogger("tqtx.dump")
+
+_handles_lock = threading.Lock()
+_handles: dict[str, "DumpHandle"] = {}
+
+
+class DumpCancelled(RuntimeError):
+    """A background dump was cancelled before it was published."""
+
+
+class DumpHandle:
+    """A dump running in the background (``dump_data_by_key(..., block=False)``)."""
+
+    def __init__(self, dump_dir: str, dump_id: str):
+        self.dump_dir = dump_dir
+        self.dump_id = dump_id
+        self._done = threading.Event()
+        self._snapshot = threading.Event()
+        self._result: dict | None = None
+        self._error: BaseException | None = None
+        self._cancel = threading.Event()
+        self._on_cancel = None
+        self.background = False
+        self.critical_path_seconds: float | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Wait for the dump; return its report or raise its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"dump {self.dump_id} to {self.dump_dir} still running "
+                               f"after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> bool:
+        """Ask the dump to stop; True if it will not be published (the old dump stays)."""
+        if self.done():
+            return self._error is not None
+        self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
+        self._done.wait()
+        return self._error is not None
+
+    def __repr__(self):
+        state = "done" if self.done() else "running"
+        return f"DumpHandle({self.dump_dir!r}, dump_id={self.dump_id}, {state})"
+
+
+def settle_background_dumps(*, cancel: bool = False) -> dict:
+    """Wait for (or cancel) every outstanding background dump; say which."""
+    with _handles_lock:
+        pending = [h for h in _handles.values() if not h.done()]
+    report = {"waited": [], "cancelled": []}
+    for h in pending:
+        if cancel:
+            h.cancel()
+            report["cancelled"].append(h.dump_id)
+            log.warning("close: cancelled background dump %s to %s", h.dump_id, h.dump_dir)
+        else:
+            try:
+                h.result()
+            except Exception as exc:  # reported by the handle's owner; close still proceeds
+                log.error("close: background dump %s failed: %s", h.dump_id, exc)
+            report["waited"].append(h.dump_id)
+    return report
+
+
+def normalize_keys(keys) -> list[str]:
+    if isinstance(keys, str):
+        raise TypeError("keys must be a list of str, not a single str")
+    out = list(dict.fromkeys(keys))  # duplicates dropped, first wins
+    bad = [k for k in out if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"keys must be str; got {type(bad[0]).__name__} {bad[0]!r}")
+    return out
+
+
+def check_no_reader(client, journal: DumpJournal, dump_dir: str) -> None:
+    """Refuse (RestorePendingError) while a restore that may still read ``dump_dir`` is open."""
+    from .load import settle_reader
+    for row in journal.active_restores():
+        settle_reader(client, journal, dump_dir, row, action="a dump replacing it")
+
+
+def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str = "units",
+                     block: bool = True):
+    """See :func:`tqtx.dump_data_by_key`."""
+    if via not in ("units", "client"):
+        raise ValueError(f"via must be 'units' or 'client', got {via!r}")
+    if not isinstance(partition_id, str) or not partition_id:
+        raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
+    keys = normalize_keys(keys)
+    dump_dir = os.path.abspath(dump_dir)
+    handle = DumpHandle(dump_dir, new_id())
+    t0 = time.perf_counter()
+    if block:
+        _run(client, handle, keys, partition_id, via)
+        return handle.result()
+    handle.background = True
+    with _handles_lock:
+        _handles[handle.dump_id] = handle
+    thread = threading.Thread(target=_run, args=(client, handle, keys, partition_id, via),
+                              name=f"tqtx-dump-{handle.dump_id[:8]}", daemon=True)
+    thread.start()
+    handle._snapshot.wait()
+    handle.critical_path_seconds = time.perf_counter() - t0
+    if handle.done() and handle._error is not None:
+        with _handles_lock:
+            _handles.pop(handle.dump_id, None)
+        raise handle._error
+    return handle
+
+
+def _run(client, handle: DumpHandle, keys, pid, via) -> None:
+    try:
+        handle._result = _dump(client, handle, keys, pid, via)
+    except BaseException as exc:
+        handle._error = exc
+    finally:
+        handle._snapshot.set()
+        handle._done.set()
+
+
+def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> dict:
+    t0 = time.perf_counter()
+    dump_dir, dump_id = handle.dump_dir, handle.dump_id
+    # Metadata first: unknown partition or keys fail here, before anything touches the disk.
+    desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", {"partition_id": pid, "keys": keys})
+    rows = desc["rows"]
+    with_data = [r for r in rows if r[2]]
+    with dump_lock(dump_dir):
+        recover_publications(dump_dir)
+        with DumpJournal(dump_dir) as journal:
+            check_no_reader(client, journal, dump_dir)
+            pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
+            started_units: list[int] = []
+            try:
+                shards_dir = pub.staging_dir / fmt.SHARDS_DIR
+                shards_dir.mkdir()
+                if via == "units":
+                    per_unit: dict[int, dict] = {}
+                    for key, idx, fields, tag in with_data:
+                        u = client.owner(idx)
+                        per_unit.setdefault(u, {"dump_id": dump_id, "unit_id": u, "rows": [],
+                                                "path": str(pub.staging_dir / fmt.shard_file_name(u))}
+                                            )["rows"].append([idx, fields])
+                    started_units = sorted(per_unit)
+                    written = _unit_write(client, handle, per_unit)
+                else:
+                    handle._snapshot.set()
+                    written = _client_write(client, pub.staging_dir, pid, keys, with_data)
+                shards, payload = [], 0
+                for u, reply in sorted(written.items()):
+                    index_entry = fmt.write_shard_index(pub.staging_dir, u, reply["entries"])
+                    shards.append({"unit": u, "file": fmt.shard_file_name(u),
+                                   "size": reply["bytes"], "records": len(reply["entries"]),
+                                   "index": index_entry})
+                    payload += reply["bytes"]
+                row_index = fmt.write_row_index(pub.staging_dir, partition_id=pid, dump_id=dump_id,
+                                                field_schema=desc["field_schema"], rows=rows)
+                fmt.write_manifest(pub.staging_dir, dump_id=dump_id, partition_id=pid,
+                                   keys=len(rows), rows_with_data=len(with_data), bytes=payload,
+                                   row_index=row_index, shards=shards, writer=via,
+                                   tqtx_version=__version__)
+                if handle._cancel.is_set():
+                    raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
+                pub.mark_written()
+                total = pub.commit()
+            except BaseException as exc:
+                if started_units:
+                    call_many([(client.unit(u), "DUMP_CANCEL", {"dump_id": dump_id})
+                               for u in started_units], raise_first=False, timeout=30)
+                pub.abort(f"{type(exc).__name__}: {exc}")
+                log.error("dump %s to %s failed: %s", dump_id, dump_dir, exc)
+                raise
+    report = {"keys": len(rows), "rows_with_data": len(with_data), "shards": len(shards),
+              "bytes": total, "dump_id": dump_id, "seconds": time.perf_counter() - t0,
+              "dump_dir": dump_dir, "partition_id": pid, "via": via}
+    try:
+        client.controller.call("RECORD_DUMP", {
+            "dump_id": dump_id, "dump_dir": dump_dir, "partition_id": pid, "keys": len(rows),
+            "rows_with_data": len(with_data), "bytes": total, "shards": len(shards)})
+    except Exception as exc:  # the dump is published; the audit row is best effort
+        log.warning("dump %s: could not record it in the controller journal: %s", dump_id, exc)
+    log.info("dump %s: %d keys (%d with data) to %s, %d bytes in %.3fs", dump_id, len(rows),
+             len(with_data), dump_dir, total, report["seconds"])
+    return report
+
+
+def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict]) -> dict:
+    """Owner units snapshot and write their rows in parallel; payload never reaches us."""
+    if not per_unit:
+        handle._snapshot.set()
+        return {}
+    if handle.background:  # return to the caller as soon as every unit holds its snapshot
+        client.fan_out("DUMP_SNAPSHOT", per_unit)
+
+        def cancel_units():
+            call_many([(client.unit(u), "DUMP_CANCEL", {"dump_id": handle.dump_id})
+                       for u in per_unit], raise_first=False, timeout=30)
+        handle._on_cancel = cancel_units
+        handle._snapshot.set()
+        faults.hit("client.dump.after_snapshot")
+        result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id} for u in per_unit})
+        if handle._cancel.is_set():
+            raise DumpCancelled(f"dump {handle.dump_id} to {handle.dump_dir} was cancelled")
+        return result
+    result = client.fan_out("DUMP_ROWS", per_unit)
+    handle._snapshot.set()
+    return result
+
+
+def _client_write(client, staging_dir, pid: str, keys: list[str], with_data: list) -> dict:
+    """Fallback: read rows through the client and write the same format here."""
+    if not with_data:
+        return {}
+    groups: dict[tuple, list] = {}
+    for key, idx, fields, tag in with_data:
+        groups.setdefault(tuple(fields), []).append((key, idx))
+    writer = fmt.ShardWriter(staging_dir / fmt.shard_file_name(0))
+    try:
+        for fields, members in groups.items():
+            for start in range(0, len(members), 1024):
+                chunk = members[start:start + 1024]
+                columns, _ = client.get_columns([k for k, _ in chunk], pid, list(fields))
+                writer.write_rows((idx, {f: columns[f][i] for f in fields})
+                                  for i, (_, idx) in enumerate(chunk))
+        entries = writer.close(fsync=True)
+    except BaseException:
+        writer.abort()
+        raise
+    return {0: {"entries": entries, "bytes": writer.bytes_written}}

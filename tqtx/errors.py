@@ -1,0 +1,73 @@
+"""Exception types raised by tqtx (importable without torch)."""
+from __future__ import annotations
+
+
+class TqtxError(Exception):
+    """Base class for tqtx-specific errors."""
+
+
+class KeysNotFoundError(KeyError, ValueError):
+    """Some requested keys do not exist in the partition."""
+
+    def __init__(self, keys, partition_id=None):
+        self.keys = list(keys)
+        self.partition_id = partition_id
+        shown = ", ".join(repr(k) for k in self.keys[:20])
+        more = f" (and {len(self.keys) - 20} more)" if len(self.keys) > 20 else ""
+        where = f" in partition {partition_id!r}" if partition_id is not None else ""
+        self.message = f"keys not found{where}: {shown}{more}"
+        super().__init__(self.message)
+
+    def __str__(self):
+        return self.message
+
+
+class PeerTimeoutError(TqtxError, TimeoutError):
+    """A request got no reply in time; the message names the peer."""
+
+
+class PeerDiedError(TqtxError, ConnectionError):
+    """A controller or storage unit process is gone."""
+
+
+class RemoteError(TqtxError):
+    """An error raised inside a controller or unit that maps to no builtin type."""
+
+
+class DumpFormatError(TqtxError, ValueError):
+    """A dump is corrupt, truncated, of an unknown version or otherwise unreadable."""
+
+
+class StateDirInUseError(TqtxError, RuntimeError):
+    """Another live controller owns the state directory."""
+
+
+class RestorePendingError(RuntimeError):
+    """An unresolved restore blocks the requested operation.
+
+    Attributes: ``restore_id``, ``dump_dir``, ``reason`` (e.g. "unit_running",
+    "lost_reply", "unknown_restore", "in_progress") and ``units`` ({unit_id: state}).
+    """
+
+    def __init__(self, message: str = "", *, restore_id=None, dump_dir=None, reason=None,
+                 units=None, partition_id=None):
+        self.restore_id = restore_id
+        self.dump_dir = dump_dir
+        self.reason = reason
+        self.units = dict(units or {})
+        self.partition_id = partition_id
+        if not message:
+            message = self.describe()
+        super().__init__(message)
+
+    def describe(self) -> str:
+        units = ", ".join(f"unit {u}: {s}" for u, s in sorted(self.units.items())) or "none"
+        return (f"restore {self.restore_id} of dump {self.dump_dir!r} into partition "
+                f"{self.partition_id!r} is unresolved (reason: {self.reason}; units: {units}). "
+                f"Settle it with tqtx.recover_data_load({self.dump_dir!r}) once its units have "
+                f"reported, or tqtx.recover_data_load({self.dump_dir!r}, cancel=True) to abandon it.")
+
+    def to_dict(self) -> dict:
+        return {"restore_id": self.restore_id, "dump_dir": self.dump_dir, "reason": self.reason,
+                "units": {str(k): v for k, v in self.units.items()},
+                "partition_id": self.partition_id, "message": str(self)}

@@ -1,0 +1,288 @@
+"""``tqtx journal ...``: inspect, recover, migrate and check the tqtx journals.
+
+Each command targets either a controller journal (``--state-dir D``, default
+:func:`~tqtx.journal.store.default_state_dir`) or, given a positional ``DUMP_DIR``, the dump
+journal ``<DUMP_DIR>.journal.sqlite``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import sys
+from pathlib import Path
+
+import click
+from filelock import FileLock, Timeout
+
+from .store import (
+    CONTROLLER, DUMP, ControllerJournal, DumpJournal, controller_journal_path,
+    default_state_dir, dump_journal_path, head_revision, migrate,
+)
+
+RESTORE_KEYS = ("restore_id", "partition_id", "dump_dir", "state", "outcome", "reason", "keys",
+                "rows", "bytes", "created_at", "finished_at")
+PUBLICATION_KEYS = ("dump_dir", "attempt_id", "kind", "dump_id", "phase", "error", "created_at",
+                    "updated_at")
+_NO_WRAP = {"restore_id", "attempt_id", "dump_id", "state", "phase", "id"}
+_DUMP_FINAL = ("committed", "aborted", "cancelled", "failed")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("tqtx")
+    except Exception:  # not installed as a distribution
+        return "unknown"
+
+
+def _target(dump_dir: str | None, state_dir: str | None) -> tuple[str, Path, Path]:
+    """(kind, target dir, journal path) for the command's arguments."""
+    if dump_dir and state_dir:
+        raise click.UsageError("give either DUMP_DIR or --state-dir, not both")
+    if dump_dir:
+        d = Path(os.path.abspath(dump_dir))
+        return DUMP, d, dump_journal_path(d)
+    sd = Path(os.path.abspath(state_dir if state_dir else default_state_dir()))
+    return CONTROLLER, sd, controller_journal_path(sd)
+
+
+def _require(path: Path) -> None:
+    if not path.exists():
+        click.echo(f"error: no journal at {path}", err=True)
+        sys.exit(1)
+
+
+def _ro_publications(dump_dir: str, limit: int | None) -> list[dict]:
+    """Publications of a dump journal, read-only (never creates or migrates it)."""
+    path = dump_journal_path(dump_dir)
+    if not path.exists():
+        return []
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error:
+        return []
+    try:
+        con.row_factory = sqlite3.Row
+        sql = "SELECT * FROM publications ORDER BY created_at DESC, attempt_id"
+        rows = [dict(r) for r in con.execute(sql + (f" LIMIT {int(limit)}" if limit else ""))]
+    except sqlite3.Error:
+        return []
+    finally:
+        con.close()
+    return [dict({k: r.get(k) for k in PUBLICATION_KEYS}, dump_dir=str(dump_dir)) for r in rows]
+
+
+def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
+                   state: str | None = None, limit: int | None = None) -> dict:
+    """The ``journal show --json`` object for an existing journal."""
+    if kind == CONTROLLER:
+        with ControllerJournal(target) as j:
+            restores = j.list_restores(state=state, restore_id=restore_id, limit=limit)
+            dumps = j.list_dumps(limit)
+            report = {
+                "journal": str(j.path), "kind": CONTROLLER,
+                "restores": [dict({k: r[k] for k in RESTORE_KEYS}, units=r["units"])
+                             for r in restores],
+                "publications": [],
+                "incarnations": j.list_incarnations(limit),
+                "dumps": dumps,
+                "recovery_events": j.list_recovery_events(limit),
+            }
+            dirs = dict.fromkeys([d["dump_dir"] for d in dumps] + [r["dump_dir"] for r in restores])
+        for d in dirs:
+            report["publications"].extend(_ro_publications(d, limit))
+        return report
+    with DumpJournal(target) as j:
+        restores = []
+        for r in j.list_restores(state=state, restore_id=restore_id, limit=limit):
+            final = r["state"] in _DUMP_FINAL
+            restores.append({
+                "restore_id": r["restore_id"], "partition_id": r["partition_id"],
+                "dump_dir": str(target), "state": r["state"],
+                "outcome": r["state"] if final else None, "reason": None, "keys": None,
+                "rows": None, "bytes": None, "created_at": r["created_at"],
+                "finished_at": r["updated_at"] if final else None, "units": [],
+                })
+        pubs = [dict({k: p.get(k) for k in PUBLICATION_KEYS}, dump_dir=str(target))
+                for p in j.publications(limit)]
+        return {"journal": str(j.path), "kind": DUMP, "restores": restores,
+                "publications": pubs, "recovery_events": []}
+
+
+def _print_tables(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{report['kind']} journal[/bold] {report['journal']}")
+
+    def cell(col: str, v) -> str:
+        if v is None:
+            return ""
+        if col.endswith("_at") or col == "at":
+            return str(v)[:19].replace("T", " ")  # tables show seconds; --json has it all
+        return str(v)
+
+    def table(title: str, rows: list[dict], cols: list[str]) -> None:
+        t = Table(title=f"{title} ({len(rows)})", title_justify="left")
+        for c in cols:
+            t.add_column(c, overflow="fold", no_wrap=c in _NO_WRAP)
+        for r in rows:
+            t.add_row(*(cell(c, r.get(c)) for c in cols))
+        console.print(t)
+
+    rows = []
+    for r in report["restores"]:
+        units = " ".join(f"{u['unit_id']}:{u['state']}"
+                         + (f"({u['error']})" if u.get("error") else "") for u in r["units"])
+        rows.append(dict(r, units=units))
+    table("restores", rows, ["restore_id", "partition_id", "dump_dir", "state", "reason", "keys",
+                             "rows", "bytes", "units", "created_at", "finished_at"])
+    if report["kind"] == CONTROLLER:
+        table("dumps", report["dumps"], ["dump_id", "dump_dir", "partition_id", "keys",
+                                         "rows_with_data", "bytes", "shards", "incarnation_id",
+                                         "created_at"])
+    table("publications", report["publications"], ["dump_dir", "attempt_id", "kind", "dump_id",
+                                                   "phase", "error", "updated_at"])
+    if report["kind"] == CONTROLLER:
+        table("incarnations", report["incarnations"], ["id", "started_at", "ended_at", "pid",
+                                                       "host", "address", "version"])
+        table("recovery events", report["recovery_events"], ["id", "incarnation_id", "at",
+                                                             "kind", "target", "action",
+                                                             "detail"])
+
+
+_dump_arg = click.argument("dump_dir", required=False, type=click.Path())
+_state_opt = click.option("--state-dir", type=click.Path(),
+                          help="Controller state dir (default: $TQTX_STATE_DIR, else "
+                               "$XDG_STATE_HOME/tqtx/default or ~/.local/state/tqtx/default).")
+_json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+
+
+@click.group("journal")
+def journal() -> None:
+    """Inspect, recover, migrate and check tqtx journals."""
+
+
+@journal.command("show")
+@_dump_arg
+@_state_opt
+@_json_opt
+@click.option("--restore", "restore_id", help="Only this restore.")
+@click.option("--state", help="Only restores in this state.")
+@click.option("--limit", type=click.IntRange(min=1), help="At most N rows per list.")
+def show(dump_dir, state_dir, as_json, restore_id, state, limit) -> None:
+    """Show a controller journal (or the journal of DUMP_DIR)."""
+    kind, target, path = _target(dump_dir, state_dir)
+    _require(path)
+    report = journal_report(kind, target, restore_id=restore_id, state=state, limit=limit)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        _print_tables(report)
+
+
+def _echo_actions(actions: list[dict], as_json: bool, extra: dict) -> None:
+    if as_json:
+        click.echo(json.dumps(dict(extra, actions=actions), indent=2))
+        return
+    if not actions:
+        click.echo("nothing to recover")
+    for a in actions:
+        click.echo(f"{a['kind']} {a['target']}: {a['action']} -- {a['detail']}")
+
+
+@journal.command("recover")
+@_dump_arg
+@_state_opt
+@_json_opt
+def recover(dump_dir, state_dir, as_json) -> None:
+    """Run crash recovery by hand (the controller does this at startup)."""
+    from ..dump.publish import dump_lock
+    from .recovery import recover_controller_journal, recover_publications
+
+    kind, target, path = _target(dump_dir, state_dir)
+    if kind == DUMP:
+        with dump_lock(target):
+            actions = recover_publications(target)
+        _echo_actions(actions, as_json, {"journal": str(path), "kind": kind})
+        return
+    _require(path)
+    lock = FileLock(os.fspath(target / "controller.lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        click.echo(f"error: a live controller holds {target / 'controller.lock'}; "
+                   f"it recovers its journal itself", err=True)
+        sys.exit(1)
+    try:
+        with ControllerJournal(target) as j:
+            inc = j.start_incarnation(pid=os.getpid(), host=socket.gethostname(),
+                                      address="cli", version=_version())
+            try:
+                actions = recover_controller_journal(j, incarnation_id=inc)
+            finally:
+                j.end_incarnation(inc)
+    finally:
+        lock.release()
+    _echo_actions(actions, as_json, {"journal": str(path), "kind": kind, "incarnation_id": inc})
+
+
+@journal.command("migrate")
+@_dump_arg
+@_state_opt
+def migrate_cmd(dump_dir, state_dir) -> None:
+    """Upgrade an existing journal to the newest schema."""
+    kind, _target_dir, path = _target(dump_dir, state_dir)
+    _require(path)
+    before, after = migrate(path, kind)
+    if before == after:
+        click.echo(f"{path}: already at {after}")
+    else:
+        click.echo(f"{path}: {before or 'empty'} -> {after}")
+
+
+def check_journal(path: Path, kind: str) -> dict:
+    """Integrity, foreign-key and revision checks on a journal file (read-only)."""
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    problems: list[str] = []
+    try:
+        integrity = [r[0] for r in con.execute("PRAGMA integrity_check")]
+        if integrity != ["ok"]:
+            problems += [f"integrity: {m}" for m in integrity]
+        fk = [list(r) for r in con.execute("PRAGMA foreign_key_check")]
+        problems += [f"foreign key: table {t} rowid {rid} -> {parent}" for t, rid, parent, _ in fk]
+        try:
+            revs = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")]
+        except sqlite3.Error:
+            revs = []
+    finally:
+        con.close()
+    head = head_revision(kind)
+    current = ",".join(revs) or None
+    if current != head:
+        problems.append(f"revision {current or 'none'} is not head {head}")
+    return {"journal": str(path), "kind": kind, "integrity": integrity, "foreign_key_errors": fk,
+            "revision": current, "head": head, "ok": not problems, "problems": problems}
+
+
+@journal.command("check")
+@_dump_arg
+@_state_opt
+@_json_opt
+def check(dump_dir, state_dir, as_json) -> None:
+    """Check integrity, foreign keys and schema revision; exit 1 on problems."""
+    kind, _target_dir, path = _target(dump_dir, state_dir)
+    _require(path)
+    result = check_journal(path, kind)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"{path} ({kind}): revision {result['revision']} (head {result['head']})")
+        for p in result["problems"]:
+            click.echo(f"problem: {p}")
+        click.echo("ok" if result["ok"] else "FAILED")
+    if not result["ok"]:
+        sys.exit(1)

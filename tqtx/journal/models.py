@@ -1,0 +1,173 @@
+"""SQLAlchemy ORM models for the two tqtx journals.
+
+Two independent metadata objects:
+
+* :class:`ControllerBase` -- the controller journal ``<state_dir>/journal.sqlite``
+  (alembic branch ``controller``).
+* :class:`DumpBase` -- the per-dump journal ``<dump_dir>.journal.sqlite``
+  (alembic branch ``dump``).
+
+The models describe the schema at the head revision of each chain; the migrations in
+``migrations/versions`` must produce exactly this schema (a test compares them).
+Timestamps are UTC ISO-8601 strings with microseconds (sortable as text).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from sqlalchemy import (
+    BigInteger, CheckConstraint, ForeignKey, Index, Integer, MetaData, String, Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+_NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+RESTORE_STATES = ("active", "committing", "committed", "aborted", "cancelled", "failed")
+RESTORE_FINAL = ("committed", "aborted", "cancelled", "failed")
+UNIT_STATES = ("pending", "claimed", "staged", "applied", "failed", "dropped")
+UNIT_FINAL = ("applied", "failed", "dropped")
+PUBLICATION_PHASES = ("staging", "written", "synced", "old-moved", "published", "cleaned",
+                      "failed", "rolled-back")
+PUBLICATION_FINAL = ("cleaned", "failed", "rolled-back")
+DUMP_RESTORE_STATES = ("reading", "committed", "aborted", "cancelled", "failed")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+# --------------------------------------------------------------------------- controller
+
+
+class ControllerBase(DeclarativeBase):
+    metadata = MetaData(naming_convention=_NAMING)
+
+
+class Incarnation(ControllerBase):
+    __tablename__ = "incarnations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    started_at: Mapped[str] = mapped_column(String(40))
+    pid: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(255))
+    address: Mapped[str] = mapped_column(String(255))
+    version: Mapped[str] = mapped_column(String(64))
+    state_dir: Mapped[str] = mapped_column(Text)
+    ended_at: Mapped[Optional[str]] = mapped_column(String(40), nullable=True)
+
+
+class Restore(ControllerBase):
+    __tablename__ = "restores"
+    __table_args__ = (
+        CheckConstraint(_in("state", RESTORE_STATES), name="state"),
+        Index("ix_restores_state", "state"),
+    )
+
+    restore_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    partition_id: Mapped[str] = mapped_column(String(255))
+    dump_dir: Mapped[str] = mapped_column(Text)
+    dump_id: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    incarnation_id: Mapped[int] = mapped_column(ForeignKey("incarnations.id"))
+    state: Mapped[str] = mapped_column(String(16))
+    outcome: Mapped[Optional[str]] = mapped_column(String(16), nullable=True)
+    reason: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    keys: Mapped[int] = mapped_column(Integer, server_default="0")
+    rows: Mapped[int] = mapped_column(Integer, server_default="0")
+    bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    created_at: Mapped[str] = mapped_column(String(40))
+    updated_at: Mapped[str] = mapped_column(String(40))
+    finished_at: Mapped[Optional[str]] = mapped_column(String(40), nullable=True)
+
+
+class RestoreUnit(ControllerBase):
+    __tablename__ = "restore_units"
+    __table_args__ = (
+        # At most one claim row per (restore, unit): a unit can never hold two live claims.
+        UniqueConstraint("restore_id", "unit_id"),
+        CheckConstraint(_in("state", UNIT_STATES), name="state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    restore_id: Mapped[str] = mapped_column(ForeignKey("restores.restore_id"))
+    unit_id: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    rows: Mapped[int] = mapped_column(Integer, server_default="0")
+    bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    created_at: Mapped[str] = mapped_column(String(40))
+    updated_at: Mapped[str] = mapped_column(String(40))
+
+
+class Dump(ControllerBase):
+    __tablename__ = "dumps"
+
+    dump_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    dump_dir: Mapped[str] = mapped_column(Text)
+    partition_id: Mapped[str] = mapped_column(String(255))
+    keys: Mapped[int] = mapped_column(Integer, server_default="0")
+    rows_with_data: Mapped[int] = mapped_column(Integer, server_default="0")
+    bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shards: Mapped[int] = mapped_column(Integer, server_default="0")
+    incarnation_id: Mapped[Optional[int]] = mapped_column(ForeignKey("incarnations.id"),
+                                                          nullable=True)
+    created_at: Mapped[str] = mapped_column(String(40))
+
+
+class RecoveryEvent(ControllerBase):
+    __tablename__ = "recovery_events"
+    __table_args__ = (CheckConstraint("kind IN ('restore', 'publication')", name="kind"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    incarnation_id: Mapped[Optional[int]] = mapped_column(ForeignKey("incarnations.id"),
+                                                          nullable=True)
+    at: Mapped[str] = mapped_column(String(40))
+    kind: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text, server_default="")
+
+
+# --------------------------------------------------------------------------- dump
+
+
+class DumpBase(DeclarativeBase):
+    metadata = MetaData(naming_convention=_NAMING)
+
+
+class Publication(DumpBase):
+    __tablename__ = "publications"
+    __table_args__ = (
+        CheckConstraint(_in("phase", PUBLICATION_PHASES), name="phase"),
+        CheckConstraint("kind IN ('dump', 'checkpoint')", name="kind"),
+        Index("ix_publications_phase", "phase"),
+    )
+
+    attempt_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    dump_id: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    staging_dir: Mapped[str] = mapped_column(Text)
+    phase: Mapped[str] = mapped_column(String(16))
+    error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    created_at: Mapped[str] = mapped_column(String(40))
+    updated_at: Mapped[str] = mapped_column(String(40))
+
+
+class DumpRestore(DumpBase):
+    __tablename__ = "restores"
+    __table_args__ = (CheckConstraint(_in("state", DUMP_RESTORE_STATES), name="state"),)
+
+    restore_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    controller_address: Mapped[str] = mapped_column(String(255))
+    incarnation_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    controller_state_dir: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    partition_id: Mapped[str] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[str] = mapped_column(String(40))
+    updated_at: Mapped[str] = mapped_column(String(40))

@@ -1,0 +1,637 @@
+"""Controller and dump journals: SQLite files with forward-only state machines.
+
+* :class:`ControllerJournal` -- ``<state_dir>/journal.sqlite`` (WAL), alembic chain ``controller``.
+* :class:`DumpJournal` -- ``<dump_dir>.journal.sqlite`` (rollback journal, works on network
+  filesystems), alembic chain ``dump``.
+
+Every connection gets the pragmas listed in :func:`make_engine`; every transition is one
+``BEGIN IMMEDIATE`` transaction, so concurrent writers from several processes serialize on
+the SQLite write lock instead of failing on lock upgrade. Opening a journal upgrades it to
+the head of its chain first, under a ``<db>.migrate.lock`` file lock.
+
+Repeating a transition into the state a row is already in is a no-op (callers retry after
+lost replies); any other move that is not listed as legal raises :class:`IllegalTransition`.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from filelock import FileLock
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import Session
+
+from .models import (
+    PUBLICATION_FINAL, PUBLICATION_PHASES, RESTORE_FINAL, UNIT_FINAL, Dump, DumpRestore,
+    Incarnation, Publication, RecoveryEvent, Restore, RestoreUnit,
+)
+
+CONTROLLER = "controller"
+DUMP = "dump"
+BUSY_TIMEOUT_MS = 30000
+RESTART_REASON = "controller restarted"
+
+# Legal forward moves; the same-state move is handled separately as an idempotent no-op.
+RESTORE_TRANSITIONS: dict[str, frozenset[str]] = {
+    "active": frozenset({"committing", "aborted", "cancelled", "failed"}),
+    "committing": frozenset({"committed", "aborted", "failed"}),  # aborted: restart only
+}
+UNIT_TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset({"claimed", "failed", "dropped"}),
+    "claimed": frozenset({"staged", "failed", "dropped"}),
+    "staged": frozenset({"applied", "failed", "dropped"}),
+}
+PHASE_ORDER = ("staging", "written", "synced", "old-moved", "published", "cleaned")
+PHASE_FAILED_FROM = frozenset({"staging", "written", "synced"})
+PHASE_ROLLBACK_FROM = frozenset({"staging", "written", "synced", "old-moved"})
+DUMP_RESTORE_FINAL = ("committed", "aborted", "cancelled", "failed")
+
+
+class IllegalTransition(ValueError):
+    """A journal row was asked to move to a state its state machine does not allow."""
+
+
+def utcnow() -> str:
+    """Current UTC time as an ISO-8601 string with microseconds (the journals' timestamp)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def default_state_dir() -> Path:
+    """``$TQTX_STATE_DIR``, else ``$XDG_STATE_HOME/tqtx/default``, else ``~/.local/state/tqtx/default``."""
+    env = os.environ.get("TQTX_STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
+    return base / "tqtx" / "default"
+
+
+def controller_journal_path(state_dir: str | os.PathLike) -> Path:
+    """Path of the controller journal inside ``state_dir``."""
+    return Path(state_dir) / "journal.sqlite"
+
+
+def _sibling(dump_dir: str | os.PathLike, suffix: str) -> Path:
+    p = Path(os.path.abspath(os.fspath(dump_dir)))
+    return p.with_name(p.name + suffix)
+
+
+def dump_journal_path(dump_dir: str | os.PathLike) -> Path:
+    """``<dump_dir>.journal.sqlite``: a sibling of the dump directory, not inside it."""
+    return _sibling(dump_dir, ".journal.sqlite")
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def make_engine(path: str | os.PathLike, *, wal: bool) -> Engine:
+    """SQLite engine whose connections set the journal pragmas and begin with BEGIN IMMEDIATE.
+
+    Pragmas: ``busy_timeout=30000``, ``journal_mode=WAL`` (``DELETE`` when ``wal`` is false),
+    ``synchronous=FULL``, ``foreign_keys=ON``.
+    """
+    engine = create_engine(URL.create("sqlite", database=os.fspath(path)))
+    journal_mode = "WAL" if wal else "DELETE"
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        # pysqlite recipe: stop the driver from issuing its own BEGIN so the "begin"
+        # event below controls the transaction start.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.execute(f"PRAGMA journal_mode={journal_mode}")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+# --------------------------------------------------------------------------- migrations
+
+
+def migrations_dir() -> Path:
+    """Filesystem location of the alembic environment (package ``tqtx.migrations``)."""
+    return Path(str(importlib.resources.files("tqtx.migrations")))
+
+
+def alembic_config(chain: str, connection=None) -> Config:
+    """An in-memory alembic Config for ``chain`` ('controller' or 'dump'); no alembic.ini."""
+    if chain not in (CONTROLLER, DUMP):
+        raise ValueError(f"unknown journal chain {chain!r}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()).replace("%", "%%"))
+    cfg.set_main_option("path_separator", "os")
+    cfg.attributes["chain"] = chain
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def head_revision(chain: str) -> str:
+    """Head revision id of ``chain``."""
+    script = ScriptDirectory.from_config(alembic_config(chain))
+    return script.get_revision(f"{chain}@head").revision
+
+
+def _current(conn) -> str | None:
+    heads = MigrationContext.configure(conn).get_current_heads()
+    return heads[0] if len(heads) == 1 else (",".join(heads) or None)
+
+
+def current_revision(engine: Engine) -> str | None:
+    """Revision stamped in the database, or None for an empty database."""
+    with engine.connect() as conn:
+        return _current(conn)
+
+
+def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
+                   revision: str = "head") -> tuple[str | None, str | None]:
+    """Upgrade the database behind ``engine`` to ``revision`` of ``chain``.
+
+    Serialized across processes by ``<db>.migrate.lock``; the whole upgrade runs in one
+    BEGIN IMMEDIATE transaction. Returns (revision before, revision after).
+    """
+    target_id = head_revision(chain) if revision == "head" else revision
+    before = current_revision(engine)
+    if before == target_id:
+        return before, before
+    with FileLock(os.fspath(db_path) + ".migrate.lock"):
+        with engine.begin() as conn:
+            before = _current(conn)
+            if before != target_id:
+                target = f"{chain}@head" if revision == "head" else revision
+                command.upgrade(alembic_config(chain, conn), target)
+    return before, current_revision(engine)
+
+
+def migrate(db_path: str | os.PathLike, chain: str, revision: str = "head"
+            ) -> tuple[str | None, str | None]:
+    """Create or upgrade the journal file ``db_path`` to ``revision`` of ``chain``."""
+    engine = make_engine(db_path, wal=(chain == CONTROLLER))
+    try:
+        return upgrade_engine(engine, db_path, chain, revision)
+    finally:
+        engine.dispose()
+
+
+# --------------------------------------------------------------------------- base
+
+
+class _Journal:
+    _chain = ""
+    _wal = True
+
+    def _open(self, path: Path, migrate: bool) -> None:
+        self.path = path
+        self._engine = make_engine(path, wal=self._wal)
+        if migrate:
+            upgrade_engine(self._engine, path, self._chain)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with Session(self._engine, expire_on_commit=False) as s:
+            with s.begin():
+                yield s
+
+    def revision(self) -> str | None:
+        """Alembic revision of this journal file."""
+        return current_revision(self._engine)
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._engine.dispose()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _cols(obj, names) -> dict[str, Any]:
+    return {n: getattr(obj, n) for n in names}
+
+
+_INC_COLS = ("id", "started_at", "pid", "host", "address", "version", "state_dir", "ended_at")
+_DUMP_COLS = ("dump_id", "dump_dir", "partition_id", "keys", "rows_with_data", "bytes", "shards",
+              "incarnation_id", "created_at")
+_EVENT_COLS = ("id", "incarnation_id", "at", "kind", "target", "action", "detail")
+_RESTORE_COLS = ("restore_id", "partition_id", "dump_dir", "dump_id", "state", "outcome", "reason",
+                 "keys", "rows", "bytes", "incarnation_id", "created_at", "updated_at",
+                 "finished_at")
+_UNIT_COLS = ("unit_id", "state", "rows", "bytes", "error")
+_PUB_COLS = ("attempt_id", "kind", "dump_id", "staging_dir", "phase", "error", "created_at",
+             "updated_at")
+_DRESTORE_COLS = ("restore_id", "controller_address", "incarnation_id", "controller_state_dir",
+                  "partition_id", "state", "created_at", "updated_at")
+
+
+# --------------------------------------------------------------------------- controller
+
+
+class ControllerJournal(_Journal):
+    """The controller's journal of incarnations, restores (with unit claims) and dumps."""
+
+    _chain = CONTROLLER
+    _wal = True
+
+    def __init__(self, state_dir: str | os.PathLike, *, migrate: bool = True):
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._open(controller_journal_path(self.state_dir), migrate)
+
+    # incarnations -------------------------------------------------------------------
+
+    def start_incarnation(self, *, pid: int, host: str, address: str, version: str) -> int:
+        """Record a controller start; returns the new incarnation id."""
+        with self._tx() as s:
+            inc = Incarnation(started_at=utcnow(), pid=pid, host=host, address=address,
+                              version=version, state_dir=str(self.state_dir))
+            s.add(inc)
+            s.flush()
+            return inc.id
+
+    def end_incarnation(self, inc_id: int) -> None:
+        """Stamp a clean controller shutdown (idempotent)."""
+        with self._tx() as s:
+            inc = s.get(Incarnation, inc_id)
+            if inc is None:
+                raise KeyError(f"unknown incarnation {inc_id}")
+            if inc.ended_at is None:
+                inc.ended_at = utcnow()
+
+    def list_incarnations(self, limit: int | None = None) -> list[dict]:
+        """Incarnations, newest first."""
+        with self._tx() as s:
+            q = select(Incarnation).order_by(Incarnation.id.desc()).limit(limit)
+            return [_cols(i, _INC_COLS) for i in s.scalars(q)]
+
+    # restores -----------------------------------------------------------------------
+
+    def _restore_dicts(self, s: Session, restores: list[Restore]) -> list[dict]:
+        ids = [r.restore_id for r in restores]
+        units: dict[str, list[dict]] = {i: [] for i in ids}
+        if ids:
+            q = (select(RestoreUnit).where(RestoreUnit.restore_id.in_(ids))
+                 .order_by(RestoreUnit.restore_id, RestoreUnit.unit_id))
+            for u in s.scalars(q):
+                units[u.restore_id].append(_cols(u, _UNIT_COLS))
+        out = []
+        for r in restores:
+            d = _cols(r, _RESTORE_COLS)
+            d["units"] = units[r.restore_id]
+            out.append(d)
+        return out
+
+    def _get_restore(self, s: Session, restore_id: str) -> Restore:
+        r = s.get(Restore, restore_id)
+        if r is None:
+            raise KeyError(f"unknown restore {restore_id!r}")
+        return r
+
+    def begin_restore(self, *, restore_id: str, partition_id: str, dump_dir: str,
+                      dump_id: str | None, incarnation_id: int, units: list[int], keys: int,
+                      rows: int, bytes: int) -> dict:  # noqa: A002 - column name
+        """Create an ``active`` restore with one ``pending`` claim per unit (idempotent)."""
+        with self._tx() as s:
+            r = s.get(Restore, restore_id)
+            if r is None:
+                now = utcnow()
+                r = Restore(restore_id=restore_id, partition_id=partition_id,
+                            dump_dir=os.fspath(dump_dir), dump_id=dump_id,
+                            incarnation_id=incarnation_id, state="active", keys=keys, rows=rows,
+                            bytes=bytes, created_at=now, updated_at=now)
+                s.add(r)
+                s.add_all(RestoreUnit(restore_id=restore_id, unit_id=int(u), state="pending",
+                                      created_at=now, updated_at=now)
+                          for u in sorted(set(units)))
+                s.flush()
+            return self._restore_dicts(s, [r])[0]
+
+    def _unit_move(self, restore_id: str, unit_id: int, to: str, *,
+                   restore_states: tuple[str, ...] | None = None, check_first: bool = False,
+                   **fields) -> dict:
+        with self._tx() as s:
+            r = self._get_restore(s, restore_id)
+            u = s.scalars(select(RestoreUnit).where(RestoreUnit.restore_id == restore_id,
+                                                    RestoreUnit.unit_id == unit_id)).first()
+            if u is None:
+                raise KeyError(f"restore {restore_id!r} has no claim for unit {unit_id}")
+
+            def _check_restore():
+                if restore_states is not None and r.state not in restore_states:
+                    raise IllegalTransition(
+                        f"restore {restore_id!r} unit {unit_id}: cannot move {u.state} -> {to} "
+                        f"while the restore is {r.state} (needs {'/'.join(restore_states)})")
+
+            if check_first:
+                _check_restore()
+            if u.state == to:
+                return _cols(u, _UNIT_COLS)
+            if to not in UNIT_TRANSITIONS.get(u.state, ()):
+                raise IllegalTransition(
+                    f"restore {restore_id!r} unit {unit_id}: illegal transition {u.state} -> {to}")
+            _check_restore()
+            u.state = to
+            u.updated_at = utcnow()
+            for k, v in fields.items():
+                setattr(u, k, v)
+            return _cols(u, _UNIT_COLS)
+
+    def claim_unit(self, restore_id: str, unit_id: int) -> dict:
+        """pending -> claimed; the restore must be ``active``. Re-claiming is a no-op."""
+        return self._unit_move(restore_id, unit_id, "claimed", restore_states=("active",),
+                               check_first=True)
+
+    def stage_unit(self, restore_id: str, unit_id: int, *, rows: int, bytes: int) -> dict:  # noqa: A002
+        """claimed -> staged, recording what the unit staged; the restore must be ``active``."""
+        return self._unit_move(restore_id, unit_id, "staged", restore_states=("active",),
+                               rows=rows, bytes=bytes)
+
+    def apply_unit(self, restore_id: str, unit_id: int) -> dict:
+        """staged -> applied; the restore must be ``committing`` (or ``committed``)."""
+        return self._unit_move(restore_id, unit_id, "applied",
+                               restore_states=("committing", "committed"))
+
+    def fail_unit(self, restore_id: str, unit_id: int, error: str) -> dict:
+        """pending|claimed|staged -> failed, with the error text."""
+        return self._unit_move(restore_id, unit_id, "failed", error=error)
+
+    def drop_unit(self, restore_id: str, unit_id: int) -> dict:
+        """pending|claimed|staged -> dropped."""
+        return self._unit_move(restore_id, unit_id, "dropped")
+
+    def decide_commit(self, restore_id: str) -> dict:
+        """active -> committing; every claim must be ``staged``. Repeating is a no-op."""
+        with self._tx() as s:
+            r = self._get_restore(s, restore_id)
+            if r.state != "committing":
+                if r.state != "active":
+                    raise IllegalTransition(
+                        f"restore {restore_id!r}: illegal transition {r.state} -> committing")
+                units = s.scalars(select(RestoreUnit).where(
+                    RestoreUnit.restore_id == restore_id)).all()
+                bad = {u.unit_id: u.state for u in units if u.state != "staged"}
+                if bad:
+                    detail = ", ".join(f"unit {k}: {v}" for k, v in sorted(bad.items()))
+                    raise IllegalTransition(
+                        f"restore {restore_id!r}: illegal transition active -> committing "
+                        f"(not every claim is staged: {detail})")
+                r.state = "committing"
+                r.updated_at = utcnow()
+            return self._restore_dicts(s, [r])[0]
+
+    def finish_restore(self, restore_id: str, outcome: str, reason: str | None = None) -> dict:
+        """Move a restore to a final state (outcome = that state).
+
+        Same final outcome again is a no-op; a different one raises IllegalTransition.
+        ``committing -> aborted`` is only legal with reason "controller restarted". For any
+        outcome but ``committed`` the restore's non-final claims become ``dropped``.
+        """
+        if outcome not in RESTORE_FINAL:
+            raise IllegalTransition(f"restore {restore_id!r}: {outcome!r} is not a final state")
+        with self._tx() as s:
+            r = self._get_restore(s, restore_id)
+            if r.state == outcome:
+                return self._restore_dicts(s, [r])[0]
+            legal = outcome in RESTORE_TRANSITIONS.get(r.state, ())
+            if legal and r.state == "committing" and outcome == "aborted":
+                legal = reason == RESTART_REASON
+            if not legal:
+                raise IllegalTransition(
+                    f"restore {restore_id!r}: illegal transition {r.state} -> {outcome}"
+                    + (f" (reason {reason!r})" if reason else ""))
+            now = utcnow()
+            r.state = r.outcome = outcome
+            r.reason = reason
+            r.updated_at = r.finished_at = now
+            if outcome != "committed":
+                for u in s.scalars(select(RestoreUnit).where(
+                        RestoreUnit.restore_id == restore_id,
+                        RestoreUnit.state.not_in(UNIT_FINAL))):
+                    u.state = "dropped"
+                    u.updated_at = now
+            return self._restore_dicts(s, [r])[0]
+
+    def get_restore(self, restore_id: str) -> dict | None:
+        """The restore with its claims, or None."""
+        with self._tx() as s:
+            r = s.get(Restore, restore_id)
+            return None if r is None else self._restore_dicts(s, [r])[0]
+
+    def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
+                      limit: int | None = None) -> list[dict]:
+        """Restores (newest first), optionally filtered by state or id."""
+        q = select(Restore).order_by(Restore.created_at.desc(), Restore.restore_id)
+        if state is not None:
+            q = q.where(Restore.state == state)
+        if restore_id is not None:
+            q = q.where(Restore.restore_id == restore_id)
+        with self._tx() as s:
+            return self._restore_dicts(s, list(s.scalars(q.limit(limit))))
+
+    def unresolved_restores(self) -> list[dict]:
+        """Restores not in a final state, oldest first."""
+        q = (select(Restore).where(Restore.state.not_in(RESTORE_FINAL))
+             .order_by(Restore.created_at, Restore.restore_id))
+        with self._tx() as s:
+            return self._restore_dicts(s, list(s.scalars(q)))
+
+    # dumps / recovery -----------------------------------------------------------------
+
+    def record_dump(self, *, dump_id: str, dump_dir: str, partition_id: str, keys: int,
+                    rows_with_data: int, bytes: int, shards: int,  # noqa: A002
+                    incarnation_id: int | None) -> dict:
+        """Record a published dump (idempotent by dump_id: an existing row is kept)."""
+        with self._tx() as s:
+            d = s.get(Dump, dump_id)
+            if d is None:
+                d = Dump(dump_id=dump_id, dump_dir=os.fspath(dump_dir), partition_id=partition_id,
+                         keys=keys, rows_with_data=rows_with_data, bytes=bytes, shards=shards,
+                         incarnation_id=incarnation_id, created_at=utcnow())
+                s.add(d)
+                s.flush()
+            return _cols(d, _DUMP_COLS)
+
+    def list_dumps(self, limit: int | None = None) -> list[dict]:
+        """Recorded dumps, newest first."""
+        with self._tx() as s:
+            q = select(Dump).order_by(Dump.created_at.desc(), Dump.dump_id).limit(limit)
+            return [_cols(d, _DUMP_COLS) for d in s.scalars(q)]
+
+    def record_recovery(self, *, incarnation_id: int | None, kind: str, target: str,
+                        action: str, detail: str = "") -> dict:
+        """Journal one recovery action (kind 'restore' or 'publication')."""
+        if kind not in ("restore", "publication"):
+            raise ValueError(f"recovery kind must be 'restore' or 'publication', not {kind!r}")
+        with self._tx() as s:
+            e = RecoveryEvent(incarnation_id=incarnation_id, at=utcnow(), kind=kind,
+                              target=os.fspath(target), action=action, detail=detail)
+            s.add(e)
+            s.flush()
+            return _cols(e, _EVENT_COLS)
+
+    def list_recovery_events(self, limit: int | None = None) -> list[dict]:
+        """Recovery events, newest first."""
+        with self._tx() as s:
+            q = select(RecoveryEvent).order_by(RecoveryEvent.id.desc()).limit(limit)
+            return [_cols(e, _EVENT_COLS) for e in s.scalars(q)]
+
+
+# --------------------------------------------------------------------------- dump
+
+
+class DumpJournal(_Journal):
+    """Per-dump journal of publication attempts and of restores reading the dump."""
+
+    _chain = DUMP
+    _wal = False  # rollback journal: WAL needs shared memory, unusable on network filesystems
+
+    def __init__(self, dump_dir: str | os.PathLike, *, migrate: bool = True):
+        self.dump_dir = Path(os.path.abspath(os.fspath(dump_dir)))
+        self.dump_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._open(dump_journal_path(self.dump_dir), migrate)
+
+    # publications ---------------------------------------------------------------------
+
+    def begin_publication(self, *, attempt_id: str, kind: str, dump_id: str | None,
+                          staging_dir: str | os.PathLike) -> dict:
+        """Record a publication attempt in phase ``staging`` (idempotent by attempt_id)."""
+        if kind not in ("dump", "checkpoint"):
+            raise ValueError(f"publication kind must be 'dump' or 'checkpoint', not {kind!r}")
+        with self._tx() as s:
+            p = s.get(Publication, attempt_id)
+            if p is None:
+                now = utcnow()
+                p = Publication(attempt_id=attempt_id, kind=kind, dump_id=dump_id,
+                                staging_dir=os.fspath(staging_dir), phase="staging",
+                                created_at=now, updated_at=now)
+                s.add(p)
+                s.flush()
+            return _cols(p, _PUB_COLS)
+
+    def set_phase(self, attempt_id: str, phase: str, error: str | None = None) -> dict:
+        """Move a publication forward (see PHASE_ORDER, ``failed``, ``rolled-back``)."""
+        if phase not in PUBLICATION_PHASES:
+            raise IllegalTransition(f"publication {attempt_id!r}: unknown phase {phase!r}")
+        with self._tx() as s:
+            p = s.get(Publication, attempt_id)
+            if p is None:
+                raise KeyError(f"unknown publication attempt {attempt_id!r}")
+            if p.phase != phase:
+                cur = p.phase
+                if phase == "failed":
+                    legal = cur in PHASE_FAILED_FROM
+                elif phase == "rolled-back":
+                    legal = cur in PHASE_ROLLBACK_FROM
+                else:
+                    legal = cur in PHASE_ORDER and PHASE_ORDER.index(phase) > PHASE_ORDER.index(cur)
+                if not legal:
+                    raise IllegalTransition(
+                        f"publication {attempt_id!r}: illegal transition {cur} -> {phase}")
+                p.phase = phase
+                p.updated_at = utcnow()
+            if error is not None:
+                p.error = error
+            return _cols(p, _PUB_COLS)
+
+    def get_publication(self, attempt_id: str) -> dict | None:
+        """One publication attempt, or None."""
+        with self._tx() as s:
+            p = s.get(Publication, attempt_id)
+            return None if p is None else _cols(p, _PUB_COLS)
+
+    def publications(self, limit: int | None = None) -> list[dict]:
+        """Publication attempts, newest first."""
+        with self._tx() as s:
+            q = (select(Publication)
+                 .order_by(Publication.created_at.desc(), Publication.attempt_id).limit(limit))
+            return [_cols(p, _PUB_COLS) for p in s.scalars(q)]
+
+    def unfinished_publications(self) -> list[dict]:
+        """Publication attempts not in a final phase, oldest first."""
+        with self._tx() as s:
+            q = (select(Publication).where(Publication.phase.not_in(PUBLICATION_FINAL))
+                 .order_by(Publication.created_at, Publication.attempt_id))
+            return [_cols(p, _PUB_COLS) for p in s.scalars(q)]
+
+    # restores -------------------------------------------------------------------------
+
+    def begin_restore(self, *, restore_id: str, controller_address: str,
+                      incarnation_id: int | None, controller_state_dir: str | None,
+                      partition_id: str) -> dict:
+        """Record a restore reading this dump, state ``reading`` (idempotent by restore_id)."""
+        with self._tx() as s:
+            r = s.get(DumpRestore, restore_id)
+            if r is None:
+                now = utcnow()
+                r = DumpRestore(restore_id=restore_id, controller_address=controller_address,
+                                incarnation_id=incarnation_id,
+                                controller_state_dir=(None if controller_state_dir is None
+                                                      else os.fspath(controller_state_dir)),
+                                partition_id=partition_id, state="reading", created_at=now,
+                                updated_at=now)
+                s.add(r)
+                s.flush()
+            return _cols(r, _DRESTORE_COLS)
+
+    def finish_restore(self, restore_id: str, state: str) -> dict:
+        """reading -> committed|aborted|cancelled|failed (same state again is a no-op)."""
+        if state not in DUMP_RESTORE_FINAL:
+            raise IllegalTransition(f"restore {restore_id!r}: {state!r} is not a final state")
+        with self._tx() as s:
+            r = s.get(DumpRestore, restore_id)
+            if r is None:
+                raise KeyError(f"unknown restore {restore_id!r}")
+            if r.state != state:
+                if r.state != "reading":
+                    raise IllegalTransition(
+                        f"restore {restore_id!r}: illegal transition {r.state} -> {state}")
+                r.state = state
+                r.updated_at = utcnow()
+            return _cols(r, _DRESTORE_COLS)
+
+    def get_restore(self, restore_id: str) -> dict | None:
+        """One restore row, or None."""
+        with self._tx() as s:
+            r = s.get(DumpRestore, restore_id)
+            return None if r is None else _cols(r, _DRESTORE_COLS)
+
+    def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
+                      limit: int | None = None) -> list[dict]:
+        """Restore rows, newest first."""
+        q = select(DumpRestore).order_by(DumpRestore.created_at.desc(), DumpRestore.restore_id)
+        if state is not None:
+            q = q.where(DumpRestore.state == state)
+        if restore_id is not None:
+            q = q.where(DumpRestore.restore_id == restore_id)
+        with self._tx() as s:
+            return [_cols(r, _DRESTORE_COLS) for r in s.scalars(q.limit(limit))]
+
+    def active_restores(self) -> list[dict]:
+        """Restores still ``reading``."""
+        return list(reversed(self.list_restores(state="reading")))

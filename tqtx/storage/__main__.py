@@ -1,0 +1,39 @@
+"""``python -m tqtx.storage``: run one storage unit process."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tqtx.storage")
+    ap.add_argument("--controller", required=True)
+    ap.add_argument("--unit-id", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--state-dir", default=None, help="where the deployment's keys live (CURVE)")
+    ap.add_argument("--parent-fd", type=int, default=-1)
+    ap.add_argument("--log-file", default=None)
+    args = ap.parse_args(argv)
+    from ..proc import announce, setup_logging, stop_on_signals, watch_parent
+    watch_parent(args.parent_fd)
+    setup_logging(log_file=args.log_file, name=f"unit-{args.unit_id}")
+    from ..security import client_curve_for, server_curve_for
+    try:
+        from .unit import StorageUnit
+        unit = StorageUnit(args.unit_id, args.controller, host=args.host, port=args.port,
+                           curve=server_curve_for(args.host, args.state_dir),
+                           client_curve=client_curve_for(args.state_dir))
+        unit.register()
+    except Exception as exc:
+        announce({"error": type(exc).__name__, "message": str(exc)})
+        return 2
+    stop_on_signals(unit.server.stop)
+    announce({"ready": unit.address, "pid": os.getpid(), "unit_id": args.unit_id})
+    unit.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,365 @@
+"""A storage unit process: payload rows in memory, shard I/O for dumps and restores.
+
+The request loop runs quick operations (put, get, drop, apply) inline and hands
+long file I/O (DUMP_ROWS, LOAD_ROWS, checkpoints) to worker threads, so puts and gets
+keep flowing while a dump is written. Rows are never modified in place: a put
+replaces the value objects, so a dump snapshots rows by reference.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .. import faults
+from ..dump import format as fmt
+from ..wire.rpc import Peer, Server
+from ..wire.values import value_nbytes
+
+log = logging.getLogger("tqtx.unit")
+
+
+class StorageUnit:
+    def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
+                 port: int = 0, curve=None, client_curve=None):
+        self.unit_id = unit_id
+        self.controller_address = controller_address
+        self.client_curve = client_curve
+        self.server = Server(f"unit-{unit_id}", host, port, curve=curve)
+        self.address = self.server.address
+        self.rows: dict[int, dict] = {}
+        self.staging: dict[str, dict[int, tuple[bool, dict]]] = {}
+        self.applied: OrderedDict[str, dict] = OrderedDict()
+        self.dropped: set[str] = set()
+        self.lock = threading.Lock()
+        self.dump_jobs: dict[str, DumpJob] = {}
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"unit{unit_id}-io")
+        self.started = time.time()
+        s = self.server
+        for op, fn, mutating in [
+            ("PING", self.ping, False), ("PUT_ROWS", self.put_rows, True),
+            ("GET_ROWS", self.get_rows, False), ("DROP_ROWS", self.drop_rows, True),
+            ("DUMP_ROWS", self.dump_rows, True), ("DUMP_SNAPSHOT", self.dump_snapshot, True),
+            ("DUMP_WAIT", self.dump_wait, False), ("DUMP_CANCEL", self.dump_cancel, False),
+            ("LOAD_ROWS", self.load_rows, True),
+            ("APPLY_STAGED", self.apply_staged, True), ("DROP_STAGED", self.drop_staged, True),
+            ("SAVE_CHECKPOINT", self.save_checkpoint, True),
+            ("LOAD_CHECKPOINT", self.load_checkpoint, True),
+            ("STATS", self.stats, False), ("SHUTDOWN", self.shutdown, True),
+        ]:
+            s.add(op, fn, mutating=mutating)
+
+    def controller(self) -> Peer:
+        return Peer(self.controller_address, "controller", timeout=60, curve=self.client_curve)
+
+    def register(self, timeout: float = 60.0) -> None:
+        peer = self.controller()
+        try:
+            peer.call("REGISTER_UNIT", {"unit_id": self.unit_id, "address": self.address},
+                      timeout=timeout)
+        finally:
+            peer.close()
+
+    # ---------------------------------------------------------------- kv
+    def ping(self, body, req):
+        return {"unit_id": self.unit_id}
+
+    def shutdown(self, body, req):
+        self.server.stop()
+        return {"ok": True}
+
+    def put_rows(self, body, req):
+        """Store rows; indexes listed in ``fresh`` replace whatever an earlier key left there."""
+        fresh = set(body.get("fresh") or ())
+        rows = self.rows
+        nbytes = 0
+        # Each decoded tensor owns its frame (or inline bytes): storing it pins nothing else.
+        for idx, values in body["rows"]:
+            for value in values.values():
+                nbytes += value_nbytes(value)
+            if idx in fresh or idx not in rows:
+                rows[idx] = values
+            else:
+                row = dict(rows[idx])  # copy-on-write: snapshots of the old row stay intact
+                row.update(values)
+                rows[idx] = row
+        for idx in fresh:
+            if idx not in rows:
+                rows[idx] = {}
+        return {"rows": len(body["rows"]), "bytes": nbytes}
+
+    def get_rows(self, body, req):
+        fields = body["fields"]
+        out = []
+        rows = self.rows
+        for idx in body["indexes"]:
+            row = rows.get(idx)
+            if row is None:
+                raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
+            try:
+                out.append([row[f] for f in fields])
+            except KeyError as exc:
+                raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc}") from None
+        return {"rows": out}
+
+    def drop_rows(self, body, req):
+        n = 0
+        for idx in body["indexes"]:
+            if self.rows.pop(idx, None) is not None:
+                n += 1
+        return {"dropped": n}
+
+    # ---------------------------------------------------------------- dump
+    def _start_dump(self, body) -> "DumpJob":
+        """Snapshot the selected rows by reference now; write the shard in a worker thread."""
+        snapshot = []
+        for idx, fields in body["rows"]:
+            row = self.rows.get(idx)
+            if row is None:
+                raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
+            snapshot.append((idx, {f: row[f] for f in fields}))
+        job = DumpJob(body["dump_id"], body["path"], snapshot, self.unit_id)
+        self.dump_jobs[job.dump_id] = job
+        self.pool.submit(job.run)
+        return job
+
+    def _reply_when_done(self, job: "DumpJob", req):
+        deferred = self.server.deferred(req, self.server.current_ident)
+
+        def done(_future):
+            self.dump_jobs.pop(job.dump_id, None)
+            if job.error is not None:
+                deferred.reply(error=job.error)
+            else:
+                deferred.reply(job.result)
+        job.future.add_done_callback(done)
+        return deferred
+
+    def dump_rows(self, body, req):
+        """Snapshot and write; reply when the shard is written and fsynced."""
+        return self._reply_when_done(self._start_dump(body), req)
+
+    def dump_snapshot(self, body, req):
+        """Snapshot and start writing in the background; reply at once."""
+        job = self._start_dump(body)
+        return {"rows": len(job.snapshot)}
+
+    def dump_wait(self, body, req):
+        job = self.dump_jobs.get(body["dump_id"])
+        if job is None:
+            raise RuntimeError(f"unit {self.unit_id} has no dump {body['dump_id']} running")
+        return self._reply_when_done(job, req)
+
+    def dump_cancel(self, body, req):
+        job = self.dump_jobs.get(body["dump_id"])
+        if job is not None:
+            job.cancelled.set()
+        return {"cancelled": job is not None}
+
+    # ---------------------------------------------------------------- restore
+    def load_rows(self, body, req):
+        """Claim permission, read only the assigned byte ranges, verify, stage invisibly."""
+        rid = body["restore_id"]
+        deferred = self.server.deferred(req, self.server.current_ident)
+        self.pool.submit(self._load_job, rid, body, deferred)
+        return deferred
+
+    def _load_job(self, rid, body, deferred):
+        t0 = time.perf_counter()
+        peer = self.controller()
+        staged: dict[int, tuple[bool, dict]] = {}
+        claimed = False
+        try:
+            peer.call("RESTORE_UNIT", {"restore_id": rid, "unit_id": self.unit_id,
+                                       "action": "claim"})
+            claimed = True
+            log.info("restore %s: unit %d claimed %d rows", rid, self.unit_id, len(body["items"]))
+            faults.hit("unit.load.after_claim")
+            schema = body["field_schema"]
+            by_shard: dict[str, list] = {}
+            targets: dict[tuple[str, int], list] = {}
+            for dest, fresh, path, offset, length, crc, src in body["items"]:
+                key = (path, src)
+                if key not in targets:
+                    by_shard.setdefault(path, []).append([src, offset, length, crc])
+                targets.setdefault(key, []).append((dest, fresh))
+            nbytes = 0
+            for path, entries in by_shard.items():
+                for batch in fmt.read_records(path, entries, batch=128):
+                    for src, row in batch:
+                        where = f"{path} record of global index {src}"
+                        fmt.validate_row(row, schema, where=where)
+                        for dest, fresh in targets[(path, src)]:
+                            staged[dest] = (fresh, row)
+                        nbytes += sum(value_nbytes(v) for v in row.values())
+                    if rid in self.dropped:
+                        raise RuntimeError(f"restore {rid} was abandoned while unit "
+                                           f"{self.unit_id} was loading")
+            with self.lock:
+                if rid in self.dropped:
+                    raise RuntimeError(f"restore {rid} was abandoned while unit {self.unit_id} "
+                                       f"was loading")
+                self.staging[rid] = staged
+            faults.hit("unit.load.after_stage")
+            try:
+                peer.call("RESTORE_UNIT", {"restore_id": rid, "unit_id": self.unit_id,
+                                           "action": "staged", "rows": len(staged),
+                                           "bytes": nbytes})
+            except BaseException:
+                with self.lock:
+                    self.staging.pop(rid, None)
+                raise
+            log.info("restore %s: unit %d staged %d rows (%d bytes)", rid, self.unit_id,
+                     len(staged), nbytes)
+            deferred.reply({"rows": len(staged), "bytes": nbytes,
+                            "seconds": time.perf_counter() - t0})
+        except faults.DropReply as exc:
+            deferred.reply(error=exc)
+        except BaseException as exc:
+            log.error("restore %s: unit %d failed: %s", rid, self.unit_id, exc)
+            staged.clear()
+            if claimed:
+                try:
+                    peer.call("RESTORE_UNIT", {"restore_id": rid, "unit_id": self.unit_id,
+                                               "action": "failed", "error": str(exc)}, timeout=30)
+                except Exception as report_exc:
+                    log.error("restore %s: unit %d could not report its failure: %s", rid,
+                              self.unit_id, report_exc)
+            deferred.reply(error=exc)
+        finally:
+            peer.close()
+
+    def apply_staged(self, body, req):
+        """Make a committed restore's staged rows live (idempotent)."""
+        rid = body["restore_id"]
+        done = self.applied.get(rid)
+        if done is not None:
+            return done
+        with self.lock:
+            staged = self.staging.pop(rid, None)
+        if staged is None:
+            raise RuntimeError(f"unit {self.unit_id} has no staged rows for restore {rid}")
+        rows = self.rows
+        # A restored row's fields share one buffer: that row's own record, nothing more.
+        for dest, (fresh, values) in staged.items():
+            if fresh or dest not in rows:
+                rows[dest] = values
+            else:
+                row = dict(rows[dest])
+                row.update(values)
+                rows[dest] = row
+        result = {"rows": len(staged)}
+        self.applied[rid] = result
+        while len(self.applied) > 1024:
+            self.applied.popitem(last=False)
+        faults.hit("unit.apply.after_apply")
+        log.info("restore %s: unit %d applied %d rows", rid, self.unit_id, len(staged))
+        return result
+
+    def drop_staged(self, body, req):
+        rid = body["restore_id"]
+        with self.lock:
+            self.dropped.add(rid)
+            staged = self.staging.pop(rid, None)
+        log.info("restore %s: unit %d dropped %s staged rows", rid, self.unit_id,
+                 0 if staged is None else len(staged))
+        return {"dropped": 0 if staged is None else len(staged)}
+
+    # ---------------------------------------------------------------- checkpoint
+    def save_checkpoint(self, body, req):
+        snapshot = list(self.rows.items())
+        path = body["path"]
+        deferred = self.server.deferred(req, self.server.current_ident)
+
+        def work():
+            try:
+                writer = fmt.ShardWriter(path)
+                writer.write_rows(snapshot)
+                entries = writer.close(fsync=True)
+                deferred.reply({"entries": entries, "bytes": writer.bytes_written,
+                                "rows": len(entries)})
+            except BaseException as exc:
+                deferred.reply(error=exc)
+
+        self.pool.submit(work)
+        return deferred
+
+    def load_checkpoint(self, body, req):
+        path, entries = body["path"], body["entries"]
+        deferred = self.server.deferred(req, self.server.current_ident)
+
+        def work():
+            try:
+                rows = {}
+                if entries:
+                    for batch in fmt.read_records(path, entries, batch=128):
+                        for idx, row in batch:
+                            rows[idx] = row
+                self.rows = rows
+                with self.lock:
+                    self.staging.clear()
+                deferred.reply({"rows": len(rows)})
+            except BaseException as exc:
+                deferred.reply(error=exc)
+
+        self.pool.submit(work)
+        return deferred
+
+    def stats(self, body, req):
+        rows = self.rows
+        return {"role": "unit", "unit_id": self.unit_id, "uptime": time.time() - self.started,
+                "rows": len(rows),
+                "bytes": sum(value_nbytes(v) for r in list(rows.values()) for v in r.values()),
+                "staged_restores": list(self.staging)}
+
+    def serve_forever(self) -> None:
+        try:
+            self.server.serve_forever()
+        finally:
+            self.pool.shutdown(wait=True)
+
+
+
+class DumpJob:
+    """One shard being written from a snapshot of rows (held by reference, never copied)."""
+
+    def __init__(self, dump_id: str, path: str, snapshot: list, unit_id: int):
+        self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
+        self.future: Future = Future()
+        self.cancelled = threading.Event()
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+
+    def _rows(self):
+        for i, item in enumerate(self.snapshot):
+            if i % 256 == 0 and self.cancelled.is_set():
+                raise RuntimeError(f"dump {self.dump_id} cancelled")
+            yield item
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        writer = None
+        try:
+            faults.hit("unit.dump.before_write")
+            writer = fmt.ShardWriter(self.path)
+            writer.write_rows(self._rows())
+            entries = writer.close(fsync=True)
+            faults.hit("unit.dump.after_fsync")
+            if self.cancelled.is_set():
+                raise RuntimeError(f"dump {self.dump_id} cancelled")
+            self.result = {"entries": entries, "bytes": writer.bytes_written,
+                           "rows": len(entries), "seconds": time.perf_counter() - t0}
+            log.info("dump %s: unit %d wrote %d rows (%d bytes) to %s in %.3fs", self.dump_id,
+                     self.unit_id, len(entries), writer.bytes_written, self.path,
+                     self.result["seconds"])
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            self.error = exc
+            log.error("dump %s: unit %d failed: %s", self.dump_id, self.unit_id, exc)
+        finally:
+            self.snapshot = []  # release the rows kept alive by the snapshot
+            self.future.set_result(None)

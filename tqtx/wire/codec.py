@@ -1,0 +1,103 @@
+"""Message codec: a msgpack header frame followed by raw tensor frames.
+
+A message is any msgpack-able object in which :class:`RawTensor` values may appear
+anywhere. Each tensor larger than ``INLINE_LIMIT`` bytes travels as its own frame
+(sent without copying); smaller ones are inlined in the header. No pickle, ever:
+an unknown msgpack extension type is refused.
+"""
+from __future__ import annotations
+
+import msgpack
+
+from .values import RawTensor
+
+EXT_TENSOR_FRAME = 1   # payload: [dtype, shape, frame_number]
+EXT_TENSOR_INLINE = 2  # payload: [dtype, shape, bytes]
+INLINE_LIMIT = 4096
+MAX_HEADER_BYTES = 1 << 30
+
+
+class CodecError(ValueError):
+    """A message that cannot be decoded (malformed, truncated or hostile)."""
+
+
+def encode(obj) -> list:
+    """Encode ``obj`` into ``[header, *frames]``; frames are the tensors' own buffers."""
+    frames: list = []
+
+    def default(value):
+        if isinstance(value, RawTensor):
+            view = memoryview(value.data)
+            if view.nbytes <= INLINE_LIMIT:
+                return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
+                    [value.dtype, list(value.shape), view.tobytes()], use_bin_type=True))
+            frames.append(view)
+            return msgpack.ExtType(EXT_TENSOR_FRAME, msgpack.packb(
+                [value.dtype, list(value.shape), len(frames)], use_bin_type=True))
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        raise TypeError(f"cannot encode value of type {type(value).__name__}")
+
+    header = msgpack.packb(obj, default=default, use_bin_type=True)
+    return [header, *frames]
+
+
+def decode(frames: list):
+    """Decode ``[header, *frames]`` produced by :func:`encode`.
+
+    Tensor data refers to the received frame buffers (no copy). Raises CodecError
+    on anything malformed, including tensor headers that do not match their bytes.
+    """
+    if not frames:
+        raise CodecError("empty message")
+    header = frames[0]
+    buffers = [memoryview(f) for f in frames]
+
+    def ext_hook(code, data):
+        try:
+            dtype, shape, ref = msgpack.unpackb(data, raw=False)
+        except Exception as exc:
+            raise CodecError(f"malformed tensor header: {exc}") from None
+        if code == EXT_TENSOR_FRAME:
+            if not isinstance(ref, int) or not 1 <= ref < len(buffers):
+                raise CodecError(f"tensor refers to missing frame {ref!r}")
+            payload = buffers[ref]
+        elif code == EXT_TENSOR_INLINE:
+            payload = ref
+        else:
+            raise CodecError(f"unknown extension type {code}")
+        if not isinstance(dtype, str) or not isinstance(shape, list):
+            raise CodecError("malformed tensor header")
+        tensor = RawTensor(dtype, shape, payload)
+        try:
+            tensor.validate("tensor frame")
+        except (ValueError, TypeError) as exc:
+            raise CodecError(str(exc)) from None
+        return tensor
+
+    try:
+        if buffers[0].nbytes > MAX_HEADER_BYTES:
+            raise CodecError(f"header of {buffers[0].nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+        return msgpack.unpackb(buffers[0], ext_hook=ext_hook, raw=False, strict_map_key=False)
+    except CodecError:
+        raise
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from None
+
+
+def packb(obj) -> bytes:
+    """Encode ``obj`` into one self-contained bytes object (all tensors inline)."""
+    def default(value):
+        if isinstance(value, RawTensor):
+            return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
+                [value.dtype, list(value.shape), memoryview(value.data).tobytes()],
+                use_bin_type=True))
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        raise TypeError(f"cannot encode value of type {type(value).__name__}")
+    return msgpack.packb(obj, default=default, use_bin_type=True)
+
+
+def unpackb(data):
+    """Decode bytes produced by :func:`packb`; refuses any non-tensor extension."""
+    return decode([data])

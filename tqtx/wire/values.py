@@ -1,0 +1,75 @@
+"""Torch-free value model shared by every process.
+
+Controller and storage units never import torch: a tensor is a :class:`RawTensor`
+(dtype name, shape, raw little-endian bytes). Non-tensor values are plain
+msgpack-able Python objects that may contain RawTensors.
+"""
+from __future__ import annotations
+
+from math import prod
+
+# dtype name -> item size in bytes. Names are torch's without the "torch." prefix.
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+class RawTensor:
+    """A tensor as header + bytes: ``dtype`` name, ``shape`` tuple and a buffer ``data``.
+
+    ``data`` is any object supporting the buffer protocol (bytes, bytearray, memoryview,
+    zmq frame buffer) holding exactly ``nbytes`` bytes in C order.
+    """
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype: str, shape, data):
+        self.dtype = dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.data = data
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def validate(self, where: str = "tensor") -> None:
+        """Raise ValueError if the header is unknown or does not match the byte count."""
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"{where}: unknown dtype {self.dtype!r}")
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"{where}: negative dimension in shape {self.shape}")
+        got = memoryview(self.data).nbytes
+        if got != self.nbytes:
+            raise ValueError(
+                f"{where}: {got} bytes for dtype {self.dtype} shape {list(self.shape)} "
+                f"(expected {self.nbytes})")
+
+    def compact(self) -> "RawTensor":
+        """Return a RawTensor owning a private copy of exactly its own bytes."""
+        return RawTensor(self.dtype, self.shape, bytes(self.data))
+
+    def __eq__(self, other):
+        return (isinstance(other, RawTensor) and self.dtype == other.dtype
+                and self.shape == other.shape and bytes(self.data) == bytes(other.data))
+
+    def __repr__(self):
+        return f"RawTensor({self.dtype}, {list(self.shape)})"
+
+
+def value_nbytes(value) -> int:
+    """Payload bytes of a stored value (tensor bytes, plus tensors nested in objects)."""
+    if isinstance(value, RawTensor):
+        return value.nbytes
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(value_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(value_nbytes(v) for v in value.values())
+    return 8
