@@ -653,3 +653,58 @@ def test_throughput_report(capsys):
     with capsys.disabled():
         print(f"\nShardWriter 256 x 1 MiB to /dev/shm: {best_w:.0f} MiB/s; "
               f"plain os.write: {best_b:.0f} MiB/s (best of 3)")
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 10**6) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=6), kids,
+                                                               max_size=3),
+    max_leaves=6)
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+def _replace(obj, path, value):
+    if not path:
+        return value
+    obj[path[0]] = _replace(obj[path[0]], path[1:], value)
+    return obj
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mangled_indexes_fail_cleanly(pristine, tmp_path_factory, data):
+    """Any structural change to manifest, row index or shard index: DumpFormatError or OK."""
+    import shutil
+    d = tmp_path_factory.mktemp("mangle") / "dump"
+    shutil.copytree(pristine, d)
+    target = data.draw(st.sampled_from([F.MANIFEST, F.ROW_INDEX, "shards/unit-0.index"]))
+    if target == F.MANIFEST:
+        obj = _manifest(d)
+    else:
+        obj = F._unpack((d / target).read_bytes())
+    path = data.draw(st.sampled_from(list(_paths(obj))))
+    obj = _replace(obj, path, data.draw(_json_values))
+    if target == F.MANIFEST:
+        (d / target).write_text(json.dumps(obj))
+    else:
+        raw = F._pack(obj)
+        (d / target).write_bytes(raw)
+        m = _manifest(d)
+        entry = m["row_index"] if target == F.ROW_INDEX else m["shards"][0]["index"]
+        entry.update(size=len(raw), crc32=zlib.crc32(raw))
+        _set_manifest(d, m)
+    try:
+        F.read_dump_index(d)
+    except DumpFormatError:
+        pass
+    F.verify_dump(d)

@@ -153,7 +153,7 @@ def test_recover_state_dir(runner, populated):
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert [(a["kind"], a["target"], a["action"]) for a in out["actions"]] == [
-        ("restore", "r-half", "aborted"), ("restore", "r-half", "dump-journal-aborted")]
+        ("restore", "r-half", "dump-journal-aborted"), ("restore", "r-half", "aborted")]
     with ControllerJournal(state) as j:
         r = j.get_restore("r-half")
         assert (r["state"], r["reason"]) == ("aborted", "controller restarted")
@@ -166,7 +166,7 @@ def test_recover_state_dir(runner, populated):
     res = invoke(runner, "recover", "--state-dir", state)
     assert res.exit_code == 0 and "nothing to recover" in res.output
     out = json.loads(invoke(runner, "show", "--state-dir", state, "--json").output)
-    assert [e["action"] for e in out["recovery_events"]] == ["dump-journal-aborted", "aborted"]
+    assert [e["action"] for e in out["recovery_events"]] == ["aborted", "dump-journal-aborted"]
 
 
 def test_recover_refuses_live_controller(runner, populated):

@@ -285,9 +285,9 @@ def test_startup_replay(tmp_path, phase, expect):
         assert j.get_restore("r-done")["state"] == "cancelled"
         assert j.get_restore("r-mine")["state"] == "active"
         kinds = [(a["kind"], a["target"], a["action"]) for a in actions]
-        assert kinds[:2] == [("restore", "r-half", "aborted"),
-                             ("restore", "r-half", "dump-journal-aborted")]
-        pub_actions = [a["action"] for a in actions[2:]]
+        assert kinds[0] == ("restore", "r-half", "dump-journal-aborted")
+        assert kinds[-1] == ("restore", "r-half", "aborted")
+        pub_actions = [a["action"] for a in actions[1:-1]]
         assert pub_actions == ({"old_moved": ["rolled-forward"], "published": ["cleaned"],
                                 "cleaned": []}.get(phase, ["rolled-back"]))
         events = j.list_recovery_events()
@@ -301,6 +301,16 @@ def test_startup_replay(tmp_path, phase, expect):
     assert tree(dump) == {"data": expect}
     assert sorted(p.name for p in dump.parent.iterdir()) == [
         "buf", "buf.journal.sqlite", "buf.journal.sqlite.migrate.lock", "buf.lock"]
+
+
+def test_replay_survives_unreadable_dump_journal(cj, tmp_path):
+    dump = tmp_path / "buf"
+    dump_journal_path(dump).write_text("this is not a database")
+    old = inc(cj)
+    begin(cj, "r1", old, units=[0], dump_dir=str(dump))
+    actions = recover_controller_journal(cj, incarnation_id=inc(cj))
+    assert [a["action"] for a in actions] == ["dump-recovery-failed", "aborted"]
+    assert cj.get_restore("r1")["state"] == "aborted"
 
 
 def test_replay_without_dump_journal(cj):

@@ -109,6 +109,13 @@ class Client:
         """Payload bytes this client received from units (tensor frames), across threads."""
         return sum(p.bytes_received for p in self._all_peers if p.name.startswith("unit"))
 
+    def received_from_units(self) -> dict:
+        """Frames and bytes received from units so far (headers counted separately)."""
+        peers = [p for p in self._all_peers if p.name.startswith("unit")]
+        return {"payload_frames": sum(p.frames_received for p in peers),
+                "payload_bytes": sum(p.bytes_received for p in peers),
+                "header_bytes": sum(p.header_bytes_received for p in peers)}
+
     def close(self) -> None:
         with self._peers_lock:
             for p in self._all_peers:

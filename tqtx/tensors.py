@@ -77,9 +77,14 @@ def decode_object(value):
     return value
 
 
+class ObjectColumn(list):
+    """A column of non-tensor values (a NonTensorStack's rows), even if they hold tensors."""
+
+
 def column_schema(values: list) -> dict:
     """Field schema of one batch column of RawTensors or objects."""
-    if not values or not isinstance(values[0], RawTensor):
+    if (not values or isinstance(values, ObjectColumn)
+            or not all(isinstance(v, RawTensor) for v in values)):
         return {"kind": "object"}
     shapes = {v.shape for v in values}
     ndims = {len(s) for s in shapes}
@@ -108,13 +113,16 @@ def _rows_of_nested(t: torch.Tensor) -> list[RawTensor]:
     if t.layout == torch.jagged and t._ragged_idx == 1:
         values = t.values().detach().cpu().contiguous()
         offsets = t.offsets().tolist()
+        lengths = t.lengths()  # not None for a non-contiguous (narrowed) jagged tensor
+        lengths = (lengths.tolist() if lengths is not None else
+                   [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)])
         name = dtype_name(values.dtype)
         rest = tuple(values.shape[1:])
         per = int(np.prod(rest)) * values.element_size() if rest else values.element_size()
         view = _byte_view(values)
-        return [RawTensor(name, (offsets[i + 1] - offsets[i], *rest),
-                          view[offsets[i] * per:offsets[i + 1] * per])
-                for i in range(len(offsets) - 1)]
+        return [RawTensor(name, (lengths[i], *rest),
+                          view[offsets[i] * per:(offsets[i] + lengths[i]) * per])
+                for i in range(len(lengths))]
     return [to_raw(x) for x in t.unbind()]
 
 
@@ -131,10 +139,10 @@ def columns_from_tensordict(td: TensorDict, n: int) -> dict[str, list]:
             raise TypeError(f"field names must be str, got {field!r}")
         col = td.get(field)
         if isinstance(col, NonTensorStack):
-            columns[field] = [encode_object(v, field) for v in col.tolist()]
+            columns[field] = ObjectColumn(encode_object(v, field) for v in col.tolist())
         elif isinstance(col, NonTensorData):
             data = col.tolist() if hasattr(col, "tolist") else [col.data] * n
-            columns[field] = [encode_object(v, field) for v in data]
+            columns[field] = ObjectColumn(encode_object(v, field) for v in data)
         elif isinstance(col, torch.Tensor):
             columns[field] = _rows_of_nested(col) if col.is_nested else _rows_of_dense(col)
         elif isinstance(col, TensorDict):
@@ -154,7 +162,7 @@ def columns_from_dict(fields: dict) -> dict[str, list]:
         if isinstance(value, torch.Tensor) and not value.is_nested:
             columns[field] = [to_raw(value)]
         else:
-            columns[field] = [encode_object(value, field)]
+            columns[field] = ObjectColumn([encode_object(value, field)])
     return columns
 
 

@@ -214,12 +214,12 @@ class Controller:
 
     def clear(self, body, req):
         pid = body["partition_id"]
-        part = self.meta.partition(pid)
-        if part is None:
-            return {"freed": []}
         plan = self._unresolved_in(pid)
         if plan is not None:
             raise self._pending_error(plan, f"clearing partition {pid!r}")
+        part = self.meta.partition(pid)
+        if part is None:
+            return {"freed": []}
         return {"freed": self.meta.clear(part, body["keys"])}
 
     # ---------------------------------------------------------------- dump

@@ -180,7 +180,7 @@ def _encode(gidx: int, row: dict, with_crc: bool):
     for name, value in row.items():
         if type(name) is not str:
             raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
-        if type(value) is RawTensor:
+        if isinstance(value, RawTensor):
             buf, n = _payload(value, gidx, name)
             tensors.append((name, value, buf, n))
             if n <= _SMALL_PAYLOAD:
@@ -622,8 +622,8 @@ def write_row_index(staging_dir, *, partition_id: str, dump_id: str, field_schem
     Returns the manifest entry ``{"file", "size", "crc32"}``.
     """
     data = _pack({"format_version": FORMAT_VERSION, "partition_id": partition_id,
-                        "dump_id": dump_id, "field_schema": field_schema,
-                        "rows": [list(r) for r in rows]})
+                  "dump_id": dump_id, "field_schema": field_schema,
+                  "rows": [list(r) for r in rows]})
     _write_file(Path(staging_dir) / ROW_INDEX, data)
     return {"file": ROW_INDEX, "size": len(data), "crc32": zlib.crc32(data)}
 
@@ -632,7 +632,7 @@ def write_shard_index(staging_dir, unit, entries) -> dict:
     """Write ``shards/unit-<unit>.index`` and fsync it; returns ``{"file", "size", "crc32"}``."""
     rel = shard_index_name(unit)
     data = _pack({"format_version": FORMAT_VERSION, "unit": unit,
-                        "shard": shard_file_name(unit), "records": [list(e) for e in entries]})
+                  "shard": shard_file_name(unit), "records": [list(e) for e in entries]})
     path = Path(staging_dir) / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_file(path, data)
@@ -705,7 +705,8 @@ def _check_rel_path(dump_dir: Path, real_dir: str, rel, manifest_path: Path, wha
                      f"{what}: file path {rel!r} is not normalized or escapes the dump directory")
     path = dump_dir / rel
     if not os.path.realpath(path).startswith(real_dir + os.sep):
-        raise _error(manifest_path, f"{what}: file path {rel!r} resolves outside the dump directory")
+        raise _error(manifest_path,
+                     f"{what}: file path {rel!r} resolves outside the dump directory")
     return path
 
 
@@ -747,7 +748,8 @@ def _check_field_schema(schema, path: Path) -> None:
         if kind != "tensor":
             raise _error(path, f"field {name!r} has unknown schema kind {kind!r}")
         shape = fs.get("shape")
-        if (fs.get("dtype") not in DTYPE_SIZES or not _is_int(fs.get("ndim"))
+        dtype = fs.get("dtype")
+        if (type(dtype) is not str or dtype not in DTYPE_SIZES or not _is_int(fs.get("ndim"))
                 or not isinstance(fs.get("jagged"), bool)
                 or not (shape is None or (isinstance(shape, list)
                                           and all(_is_int(s) and s >= 0 for s in shape)))
@@ -867,6 +869,8 @@ def _read_dump_index(dump_dir, check_files: bool) -> DumpIndex:
                 or s["size"] < 0 or not _is_int(s.get("records")):
             raise _error(mpath, f"malformed shard entry {s!r}")
         unit = s["unit"]
+        if type(unit) not in (int, str):
+            raise _error(mpath, f"malformed shard entry: unit {unit!r}")
         if unit in units_seen:
             raise _error(mpath, f"unit {unit!r} has two shards")
         units_seen.add(unit)

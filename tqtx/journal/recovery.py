@@ -1,6 +1,8 @@
 """Startup recovery replay for the controller journal and the dump journals it points at."""
 from __future__ import annotations
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from ..dump.publish import dump_lock, recover_publications
 from .store import RESTART_REASON, ControllerJournal, DumpJournal, dump_journal_path
 
@@ -10,9 +12,10 @@ __all__ = ["recover_controller_journal", "recover_publications"]
 def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: int) -> list[dict]:
     """Finish every restore a previous incarnation left non-final as ``aborted``.
 
-    Non-final claims become ``dropped`` (done by ``finish_restore``). For each such restore
-    whose dump journal exists, the dump journal's restore row is marked ``aborted`` and the
-    dump's unfinished publications are settled, under the dump lock. Every action is
+    Non-final claims become ``dropped`` (done by ``finish_restore``). Before that, for each
+    such restore whose dump journal exists, the dump journal's restore row is marked
+    ``aborted`` and the dump's unfinished publications are settled, under the dump lock
+    (a failure there is recorded as ``dump-recovery-failed`` and does not stop the replay). Every action is
     journaled with ``record_recovery`` and returned as ``{kind, target, action, detail}``.
     Must not be called while holding a dump lock of one of these dumps.
     """
@@ -28,22 +31,27 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
         if r["incarnation_id"] == incarnation_id:
             continue
         rid, dump_dir = r["restore_id"], r["dump_dir"]
+        # The dump side goes first: if we crash in between, the controller row is still
+        # non-final and the next replay redoes both sides (each is idempotent).
+        if dump_journal_path(dump_dir).exists():
+            try:
+                with dump_lock(dump_dir), DumpJournal(dump_dir) as dj:
+                    row = dj.get_restore(rid)
+                    if row is not None and row["state"] == "reading":
+                        dj.finish_restore(rid, "aborted")
+                        act("restore", rid, "dump-journal-aborted", f"dump {dump_dir}")
+                    if dump_dir not in dumps_done:
+                        dumps_done.add(dump_dir)
+                        for a in recover_publications(dump_dir, dj):
+                            act(a["kind"], a["target"], a["action"], a["detail"])
+            except (OSError, SQLAlchemyError) as exc:
+                # An unreachable dump (unmounted, permissions) must not stop the controller
+                # from starting; the dump is recovered by the next writer or by hand.
+                act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
         live_units = [u["unit_id"] for u in r["units"]
                       if u["state"] not in ("applied", "failed", "dropped")]
         journal.finish_restore(rid, "aborted", RESTART_REASON)
         act("restore", rid, "aborted",
             f"was {r['state']} under incarnation {r['incarnation_id']}; "
             f"dropped units: {','.join(map(str, live_units)) or 'none'}")
-        if not dump_journal_path(dump_dir).exists():
-            continue
-        with dump_lock(dump_dir):
-            with DumpJournal(dump_dir) as dj:
-                row = dj.get_restore(rid)
-                if row is not None and row["state"] == "reading":
-                    dj.finish_restore(rid, "aborted")
-                    act("restore", rid, "dump-journal-aborted", f"dump {dump_dir}")
-                if dump_dir not in dumps_done:
-                    dumps_done.add(dump_dir)
-                    for a in recover_publications(dump_dir, dj):
-                        act(a["kind"], a["target"], a["action"], a["detail"])
     return actions

@@ -22,10 +22,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from filelock import FileLock
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.engine import URL
@@ -133,8 +129,10 @@ def migrations_dir() -> Path:
     return Path(str(importlib.resources.files("tqtx.migrations")))
 
 
-def alembic_config(chain: str, connection=None) -> Config:
+def alembic_config(chain: str, connection=None):
     """An in-memory alembic Config for ``chain`` ('controller' or 'dump'); no alembic.ini."""
+    from alembic.config import Config  # alembic is imported lazily: opening is the rare path
+
     if chain not in (CONTROLLER, DUMP):
         raise ValueError(f"unknown journal chain {chain!r}")
     cfg = Config()
@@ -149,11 +147,15 @@ def alembic_config(chain: str, connection=None) -> Config:
 @functools.lru_cache(maxsize=None)
 def head_revision(chain: str) -> str:
     """Head revision id of ``chain``."""
+    from alembic.script import ScriptDirectory
+
     script = ScriptDirectory.from_config(alembic_config(chain))
     return script.get_revision(f"{chain}@head").revision
 
 
 def _current(conn) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     heads = MigrationContext.configure(conn).get_current_heads()
     return heads[0] if len(heads) == 1 else (",".join(heads) or None)
 
@@ -179,6 +181,8 @@ def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
         with engine.begin() as conn:
             before = _current(conn)
             if before != target_id:
+                from alembic import command
+
                 target = f"{chain}@head" if revision == "head" else revision
                 command.upgrade(alembic_config(chain, conn), target)
     return before, current_revision(engine)

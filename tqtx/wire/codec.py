@@ -54,6 +54,8 @@ def decode(frames: list):
     buffers = [memoryview(f) for f in frames]
 
     def ext_hook(code, data):
+        if code not in (EXT_TENSOR_FRAME, EXT_TENSOR_INLINE):
+            raise CodecError(f"unknown extension type {code}")
         try:
             dtype, shape, ref = msgpack.unpackb(data, raw=False)
         except Exception as exc:

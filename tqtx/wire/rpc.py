@@ -173,12 +173,19 @@ class Server:
                     return
                 if rid in self._pending:
                     return  # the first copy's reply will come; ignore the duplicate
-            faults.hit(f"{self.name.split('-')[0]}.request.{op}")
+            role = self.name.split("-")[0]
+            faults.hit(f"{role}.request.{op}")
             result = fn(body, request)
             if isinstance(result, Deferred):
                 if mutating and rid:
                     self._pending[rid] = True
                 return
+            try:
+                faults.hit(f"{role}.reply.{op}")
+            except faults.DropReply:
+                if mutating and rid:  # the outcome is recorded; only this reply is lost
+                    self._cache[rid] = self._reply_frames(rid, result, None)
+                raise
             self._finish(ident, rid, op, mutating, result, None)
         except faults.DropReply:
             log.warning("%s: fault point dropped the reply to %s", self.name, op)
@@ -237,8 +244,9 @@ class Peer:
         self.liveness = liveness
         self.curve = curve
         self.socket = None
-        self.bytes_received = 0
-        self.frames_received = 0
+        self.bytes_received = 0    # tensor frame bytes (payload)
+        self.frames_received = 0   # tensor frames
+        self.header_bytes_received = 0
 
     def _sock(self):
         if self.socket is None:
@@ -291,6 +299,7 @@ class Peer:
     def _decode(self, frames):
         self.frames_received += len(frames) - 1
         self.bytes_received += sum(len(f.buffer) for f in frames[1:])
+        self.header_bytes_received += len(frames[0].buffer)
         return decode([f.buffer for f in frames])
 
     def _check_alive(self, op):

@@ -1,0 +1,63 @@
+"""Shared fixtures: real deployments (controller + units as child processes)."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
+
+
+@pytest.fixture
+def tq_start(tmp_path):
+    """``start(num_units=2, **config)`` (re)starts this process's embedded deployment.
+
+    Each start gets a fresh state dir unless ``state_dir`` is given; the deployment
+    is closed at the end of the test.
+    """
+    import tqtx as tq
+
+    counter = {"n": 0}
+
+    def start(num_units: int = 2, **config):
+        tq.close()
+        counter["n"] += 1
+        config.setdefault("state_dir", str(tmp_path / f"state{counter['n']}"))
+        return tq.init({"num_units": num_units, **config})
+
+    yield start
+    tq.close()
+
+
+@pytest.fixture(scope="session")
+def _shared_state_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("shared-state"))
+
+
+_shared_cfg: dict = {}
+
+
+@pytest.fixture
+def tq_shared(_shared_state_dir):
+    """A 3-unit deployment reused by consecutive tests; use :func:`pid` partitions.
+
+    Tests that start their own deployment (``tq_start``) close it; the next test
+    asking for ``tq_shared`` then starts a fresh shared one.
+    """
+    import tqtx as tq
+    from tqtx import api
+
+    if api._client is None or api._config is not _shared_cfg.get("cfg"):
+        tq.close()
+        import shutil
+        shutil.rmtree(_shared_state_dir, ignore_errors=True)
+        tq.init({"num_units": 3, "state_dir": _shared_state_dir})
+        _shared_cfg["cfg"] = api._config
+    return dict(api._config)
+
+
+@pytest.fixture
+def pid():
+    """A partition id unique to the test."""
+    return f"p-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,654 @@
+"""``tqtx bench``: dump/restore against the client-side path (V1) and the file system floor.
+
+Everything runs in one process against one embedded deployment, on the same data, with
+the variants alternating inside every repetition (the order rotates per repetition) and
+the median reported. See docs/performance.md for what each variant means.
+
+    tqtx bench                                      # default: 64 and 256 MiB, 1k/10k keys
+    tqtx bench --dir /dev/shm/tqtx-bench --json shm.json
+    tqtx bench --dir /work/bench-tmp --sizes 64,256,1024 --key-counts 1000,10000,100000
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+MiB = 2**20
+CHUNK = 8 * MiB
+
+
+# ---------------------------------------------------------------- small utilities
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="tqtx bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=None,
+                   help="where dumps/files go (a temp subdir is created there and removed); "
+                        "default: a temp dir under the current directory")
+    p.add_argument("--units", type=int, default=4, help="storage units (default 4)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per variant (>= 3)")
+    p.add_argument("--sizes", default="64,256",
+                   help="buffer sizes in MiB for the A/B comparison (default 64,256)")
+    p.add_argument("--key-counts", default="1000,10000",
+                   help="small-key counts for the per-key scaling (default 1000,10000)")
+    p.add_argument("--row-kb", type=int, default=256,
+                   help="row size in KiB of the big-buffer data (default 256)")
+    p.add_argument("--skip", default="",
+                   help="comma list of sections to skip: save,restore,keys,journal")
+    p.add_argument("--json", dest="json_path", default=None, help="also write results here")
+    p.add_argument("--keep-files", action="store_true", help="do not delete the bench dir")
+    a = p.parse_args(argv)
+    if a.reps < 1:
+        p.error("--reps must be >= 1")
+    a.sizes = [float(x) for x in a.sizes.split(",") if x.strip()]
+    a.key_counts = [int(x) for x in a.key_counts.split(",") if x.strip()]
+    a.skip = {x.strip() for x in a.skip.split(",") if x.strip()}
+    return a
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _fs_type(path: str) -> str:
+    path = os.path.realpath(path)
+    best, fstype = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            mnt = parts[1]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, parts[2]
+    return fstype
+
+
+def _proc_status(pid="self") -> dict:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                k, v = line.split(":", 1)
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def _reset_peak(pid="self") -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRSS:
+    """Peak RSS growth of a set of processes over a block (VmHWM after - VmRSS at reset)."""
+
+    def __init__(self, pids):
+        self.pids = list(pids)
+        self.growth: dict = {}
+
+    def __enter__(self):
+        self.base = {}
+        for p in self.pids:
+            _reset_peak(p)
+            self.base[p] = _proc_status(p)["VmRSS"]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.pids:
+            st = _proc_status(p)
+            self.growth[p] = max(0, st["VmHWM"] - self.base[p])
+        return False
+
+    @property
+    def total(self) -> int:
+        return sum(self.growth.values())
+
+
+def _drop_cache(*paths) -> None:
+    """Evict the files' pages from the page cache (they are fsynced, so clean)."""
+    for path in paths:
+        files = [path] if os.path.isfile(path) else [
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        for fn in files:
+            try:
+                fd = os.open(fn, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rm(path) -> None:
+    """Remove a dump dir or file and its siblings (journal, lock, staging ...)."""
+    for p in [path, *glob.glob(glob.escape(path) + ".*")]:
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+
+def _files_of(dump_dir):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(dump_dir) for f in fs)
+
+
+_NOISE = None
+
+
+def floor_write(path: str, nbytes: int) -> float:
+    """One process: os.write of nbytes in 8 MiB chunks, then fsync."""
+    global _NOISE
+    if _NOISE is None:
+        _NOISE = os.urandom(CHUNK)
+    view = memoryview(_NOISE)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            n = os.write(fd, view[:min(CHUNK, left)])
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(os.path.dirname(path))
+    return time.perf_counter() - t0
+
+
+_RBUF = None
+
+
+def floor_read(files) -> tuple[float, int]:
+    """One process: read the files in 8 MiB chunks into one preallocated buffer."""
+    global _RBUF
+    if _RBUF is None:
+        _RBUF = bytearray(CHUNK)
+    total = 0
+    t0 = time.perf_counter()
+    for fn in files:
+        with open(fn, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(_RBUF)
+                if not n:
+                    break
+                total += n
+    return time.perf_counter() - t0, total
+
+
+# ---------------------------------------------------------------- data
+def _fill_big(tq, pid: str, size_mib: float, row_kb: int) -> list[str]:
+    import torch
+    from tensordict import TensorDict
+    per_row = row_kb * 1024 // 4
+    n = max(1, int(size_mib * MiB) // (row_kb * 1024))
+    keys = [f"{pid}-{i:07d}" for i in range(n)]
+    step = max(1, (64 * MiB) // (row_kb * 1024))
+    g = torch.Generator().manual_seed(n)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        td = TensorDict({"x": torch.rand(hi - lo, per_row, generator=g),
+                         "reward": torch.rand(hi - lo, generator=g)}, batch_size=[hi - lo])
+        tq.kv_batch_put(keys[lo:hi], pid, td,
+                        tags=[{"step": i, "status": "running"} for i in range(lo, hi)])
+    return keys
+
+
+def _fill_small(tq, pid: str, count: int) -> list[str]:
+    import torch
+    from tensordict import TensorDict
+    keys = [f"{pid}-{i:07d}" for i in range(count)]
+    for lo in range(0, count, 10_000):
+        hi = min(count, lo + 10_000)
+        td = TensorDict({"obs": torch.rand(hi - lo, 8),
+                         "reward": torch.rand(hi - lo)}, batch_size=[hi - lo])
+        tq.kv_batch_put(keys[lo:hi], pid, td, tags=[{"step": i} for i in range(lo, hi)])
+    return keys
+
+
+# ---------------------------------------------------------------- V1 (client path, before)
+def v1_save(tq, keys, pid, path) -> int:
+    """kv_batch_get + torch.save of the tensors and tags to one file + fsync."""
+    import torch
+    td = tq.kv_batch_get(keys, pid)
+    tags_all = tq.kv_list(pid)[pid]
+    obj = {"keys": list(keys), "fields": {k: td.get(k) for k in td.keys()},
+           "tags": [tags_all[k] for k in keys]}
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(os.path.dirname(path))
+    return os.path.getsize(path)
+
+
+def v1_restore(tq, pid, path) -> int:
+    """torch.load + kv_batch_put into the (cleared) partition."""
+    import torch
+    from tensordict import TensorDict
+    obj = torch.load(path, weights_only=True)
+    keys = obj["keys"]
+    tq.kv_batch_put(keys, pid, TensorDict(obj["fields"], batch_size=[len(keys)]),
+                    tags=obj["tags"])
+    return os.path.getsize(path)
+
+
+# ---------------------------------------------------------------- journal timing
+class JournalTimer:
+    """Times every DumpJournal method called in this process (outermost calls only)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+        self._saved = []
+
+    def __enter__(self):
+        from tqtx.journal import store
+        names = [n for n, v in vars(store.DumpJournal).items()
+                 if callable(v) and not n.startswith("__")] + ["__init__"]
+        for cls, n in [(store.DumpJournal, n) for n in names] + [(store._Journal, "close")]:
+            orig = cls.__dict__.get(n)
+            if orig is None:
+                continue
+            self._saved.append((cls, n, orig))
+            setattr(cls, n, self._wrap(orig))
+        return self
+
+    def _wrap(self, fn):
+        timer = self
+
+        def wrapped(*a, **k):
+            timer._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timer._depth -= 1
+                if timer._depth == 0:
+                    timer.seconds += time.perf_counter() - t0
+                    timer.calls += 1
+        return wrapped
+
+    def __exit__(self, *exc):
+        for cls, n, orig in reversed(self._saved):
+            setattr(cls, n, orig)
+        return False
+
+
+def controller_journal_micro(state_dir: str, units: int, reps: int = 5) -> dict:
+    """Time the controller-journal transitions of one dump and one restore."""
+    from tqtx.journal.store import ControllerJournal
+    from tqtx.wire.rpc import new_id
+    dump_t, restore_t = [], []
+    with ControllerJournal(state_dir) as cj:
+        inc = cj.start_incarnation(pid=os.getpid(), host="bench", address="tcp://bench:0",
+                                   version="bench")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            cj.record_dump(dump_id=new_id(), dump_dir="/bench/dump", partition_id="p",
+                           keys=10_000, rows_with_data=10_000, bytes=1, shards=units,
+                           incarnation_id=inc)
+            dump_t.append(time.perf_counter() - t0)
+            rid = new_id()
+            t0 = time.perf_counter()
+            cj.begin_restore(restore_id=rid, partition_id="p", dump_dir="/bench/dump",
+                             dump_id="d", incarnation_id=inc, units=list(range(units)),
+                             keys=10_000, rows=10_000, bytes=1)
+            for u in range(units):
+                cj.claim_unit(rid, u)
+            for u in range(units):
+                cj.stage_unit(rid, u, rows=10_000 // units, bytes=1)
+            cj.decide_commit(rid)
+            for u in range(units):
+                cj.apply_unit(rid, u)
+            cj.finish_restore(rid, "committed", None)
+            restore_t.append(time.perf_counter() - t0)
+    return {"dump_seconds": _median(dump_t), "restore_seconds": _median(restore_t),
+            "dump_transitions": 1, "restore_transitions": 3 + 3 * units}
+
+
+# ---------------------------------------------------------------- runner
+class Bench:
+    def __init__(self, args, tq, cfg, root, con):
+        self.a, self.tq, self.cfg, self.root, self.con = args, tq, cfg, root, con
+        self.unit_pids = [p for n, p in cfg["pids"].items() if n.startswith("unit")]
+        self.n = 0
+
+    def path(self, stem):
+        self.n += 1
+        return os.path.join(self.root, f"{stem}-{self.n}")
+
+    def log(self, msg):
+        self.con.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {msg}")
+
+    # ---------------- save
+    def save_section(self, pid, keys, label) -> dict:
+        tq, reps = self.tq, self.a.reps
+        res = {v: [] for v in ("V1", "V2 units", "V2 client", "V2 block=False call",
+                               "V2 block=False total", "floor")}
+        mem = {v: [] for v in ("V1", "V2 units", "V2 client")}
+        nbytes = {}
+
+        def run_v1():
+            p = self.path("v1.pt")
+            with PeakRSS(["self"]) as m:
+                t0 = time.perf_counter()
+                nbytes["V1"] = v1_save(tq, keys, pid, p)
+                dt = time.perf_counter() - t0
+            res["V1"].append(dt)
+            mem["V1"].append(m.total)
+            _rm(p)
+
+        def run_v2(via):
+            def f():
+                p = self.path(f"v2{via[0]}")
+                with PeakRSS(["self"]) as m:
+                    t0 = time.perf_counter()
+                    r = tq.dump_data_by_key(p, keys, pid, via=via)
+                    dt = time.perf_counter() - t0
+                res[f"V2 {via}"].append(dt)
+                mem[f"V2 {via}"].append(m.total)
+                nbytes[f"V2 {via}"] = r["bytes"]
+                _rm(p)
+            return f
+
+        def run_nb():
+            p = self.path("v2nb")
+            t0 = time.perf_counter()
+            h = tq.dump_data_by_key(p, keys, pid, block=False)
+            t1 = time.perf_counter()
+            h.result()
+            t2 = time.perf_counter()
+            res["V2 block=False call"].append(t1 - t0)
+            res["V2 block=False total"].append(t2 - t0)
+            _rm(p)
+
+        def run_floor():
+            p = self.path("floor.bin")
+            res["floor"].append(floor_write(p, nbytes.get("V2 units") or nbytes.get("V1")))
+            _rm(p)
+
+        run_v2("units")()  # warm-up, also gives the byte count for the floor
+        for k in res:
+            res[k].clear()
+        for k in mem:
+            mem[k].clear()
+        variants = [run_v1, run_v2("units"), run_v2("client"), run_nb, run_floor]
+        for rep in range(reps):
+            for i in range(len(variants)):
+                variants[(i + rep) % len(variants)]()
+            self.log(f"{label} save rep {rep + 1}/{reps}: " + ", ".join(
+                f"{k} {v[-1]:.3f}s" for k, v in res.items() if v))
+        b = nbytes["V2 units"]
+        out = {"bytes": b, "v1_bytes": nbytes["V1"], "seconds": {k: _median(v) for k, v in res.items()},
+               "all": res, "client_peak_rss_growth": {k: max(v) for k, v in mem.items()}}
+        s = out["seconds"]
+        out["gbps"] = {k: (nbytes.get(k, b) / v / 1e9) for k, v in s.items()}
+        out["ratios"] = {
+            "V1/V2": s["V1"] / s["V2 units"],
+            "V2/floor": s["V2 units"] / s["floor"],
+            "V2client/floor": s["V2 client"] / s["floor"],
+            "nonblocking call/blocking": s["V2 block=False call"] / s["V2 units"],
+            "nonblocking total/blocking": s["V2 block=False total"] / s["V2 units"],
+            "client RSS growth/bytes (V2 units)": out["client_peak_rss_growth"]["V2 units"] / b,
+        }
+        return out
+
+    # ---------------- restore
+    def restore_section(self, pid, keys, label) -> dict:
+        tq, reps = self.tq, self.a.reps
+        src_v2 = self.path("restore-src")
+        src_v1 = self.path("restore-src.pt")
+        tq.dump_data_by_key(src_v2, keys, pid)
+        v1_bytes = v1_save(tq, keys, pid, src_v1)
+        files = _files_of(src_v2)
+        res = {v: [] for v in ("V1", "V2 units", "V2 client", "floor")}
+        cmem = {v: [] for v in ("V1", "V2 units", "V2 client")}
+        umem = {v: [] for v in ("V1", "V2 units", "V2 client")}
+        nbytes = {"V1": v1_bytes}
+
+        def clear():
+            tq.kv_clear(keys, pid)
+
+        def timed(name, fn):
+            clear()
+            _drop_cache(src_v1, src_v2)
+            with PeakRSS(["self"]) as cm, PeakRSS(self.unit_pids) as um:
+                t0 = time.perf_counter()
+                r = fn()
+                dt = time.perf_counter() - t0
+            res[name].append(dt)
+            cmem[name].append(cm.total)
+            umem[name].append(um.total)
+            return r
+
+        def run_v1():
+            timed("V1", lambda: v1_restore(tq, pid, src_v1))
+
+        def run_v2(via):
+            def f():
+                r = timed(f"V2 {via}", lambda: tq.load_data_by_key(src_v2, via=via))
+                nbytes[f"V2 {via}"] = r["bytes"]
+            return f
+
+        def run_floor():
+            _drop_cache(src_v2)
+            dt, n = floor_read(files)
+            res["floor"].append(dt)
+            nbytes["floor"] = n
+
+        variants = [run_v1, run_v2("units"), run_v2("client"), run_floor]
+        for rep in range(reps):
+            for i in range(len(variants)):
+                variants[(i + rep) % len(variants)]()
+            self.log(f"{label} restore rep {rep + 1}/{reps}: " + ", ".join(
+                f"{k} {v[-1]:.3f}s" for k, v in res.items() if v))
+        # leave the partition complete
+        if len(tq.kv_list(pid).get(pid, {})) != len(keys):
+            clear()
+            tq.load_data_by_key(src_v2)
+        _rm(src_v2)
+        _rm(src_v1)
+        b = nbytes["V2 units"]
+        s = {k: _median(v) for k, v in res.items()}
+        out = {"bytes": b, "v1_bytes": v1_bytes, "floor_bytes": nbytes["floor"], "seconds": s,
+               "all": res, "client_peak_rss_growth": {k: max(v) for k, v in cmem.items()},
+               "units_peak_rss_growth": {k: max(v) for k, v in umem.items()}}
+        out["gbps"] = {k: nbytes.get(k, b) / v / 1e9 for k, v in s.items()}
+        out["ratios"] = {
+            "V2/V1 throughput": out["gbps"]["V2 units"] / out["gbps"]["V1"],
+            "V2/floor": s["V2 units"] / s["floor"],
+            "V2client/floor": s["V2 client"] / s["floor"],
+            "units RSS growth/bytes (V2 units)": out["units_peak_rss_growth"]["V2 units"] / b,
+            "client RSS growth/bytes (V2 units)": out["client_peak_rss_growth"]["V2 units"] / b,
+        }
+        return out
+
+    # ---------------- small keys
+    def keys_section(self, count, journal: bool) -> dict:
+        tq, reps = self.tq, self.a.reps
+        pid = f"keys{count}"
+        t0 = time.perf_counter()
+        keys = _fill_small(tq, pid, count)
+        self.log(f"{count} small keys put in {time.perf_counter() - t0:.1f}s")
+        dump_t, rest_t, nbytes = [], [], 0
+        jt_dump, jt_rest = [], []
+        src = self.path(f"keys{count}")
+        tq.dump_data_by_key(src, keys, pid)  # the restore source (untimed)
+        for rep in range(reps):
+            p = self.path(f"keys{count}-dump")
+            with JournalTimer() as jt:
+                t0 = time.perf_counter()
+                r = tq.dump_data_by_key(p, keys, pid)
+                dump_t.append(time.perf_counter() - t0)
+            jt_dump.append(jt.seconds)
+            nbytes = r["bytes"]
+            _rm(p)
+            tq.kv_clear(keys, pid)
+            _drop_cache(src)
+            with JournalTimer() as jt:
+                t0 = time.perf_counter()
+                tq.load_data_by_key(src)
+                rest_t.append(time.perf_counter() - t0)
+            jt_rest.append(jt.seconds)
+            self.log(f"{count} keys rep {rep + 1}/{reps}: dump {dump_t[-1]:.3f}s, "
+                     f"restore {rest_t[-1]:.3f}s")
+        _rm(src)
+        tq.kv_clear(keys, pid)
+        out = {"keys": count, "bytes": nbytes, "dump_seconds": _median(dump_t),
+               "restore_seconds": _median(rest_t), "all_dump": dump_t, "all_restore": rest_t}
+        out["dump_us_per_key"] = out["dump_seconds"] / count * 1e6
+        out["restore_us_per_key"] = out["restore_seconds"] / count * 1e6
+        if journal:
+            cj = controller_journal_micro(self.path("journal-micro"), self.a.units)
+            jd = _median(jt_dump) + cj["dump_seconds"]
+            jr = _median(jt_rest) + cj["restore_seconds"]
+            out["journal"] = {
+                "client_dump_journal_seconds": _median(jt_dump),
+                "client_restore_journal_seconds": _median(jt_rest),
+                "controller_micro": cj,
+                "dump_journal_seconds": jd, "restore_journal_seconds": jr,
+                "dump_share": jd / out["dump_seconds"],
+                "restore_share": jr / out["restore_seconds"],
+            }
+        return out
+
+
+# ---------------------------------------------------------------- output
+def _tables(results, con):
+    from rich.table import Table
+
+    def f3(x):
+        return f"{x:.3f}"
+
+    for sz, sec in results["sizes"].items():
+        if "save" in sec:
+            s = sec["save"]
+            t = Table(title=f"save {sz} MiB ({s['bytes']:,} B, {results['fs']})")
+            for c in ("variant", "median s", "GB/s", "x V2 units", "client peak RSS MiB"):
+                t.add_column(c, justify="right" if c != "variant" else "left")
+            for k, v in s["seconds"].items():
+                rss = s["client_peak_rss_growth"].get(k)
+                t.add_row(k, f3(v), f"{s['gbps'][k]:.2f}", f"{v / s['seconds']['V2 units']:.2f}",
+                          f"{rss / MiB:.1f}" if rss is not None else "")
+            con.print(t)
+            con.print("  ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in s["ratios"].items()))
+        if "restore" in sec:
+            s = sec["restore"]
+            t = Table(title=f"restore {sz} MiB ({s['bytes']:,} B, {results['fs']})")
+            for c in ("variant", "median s", "GB/s", "x V2 units", "client peak RSS MiB",
+                      "units peak RSS MiB"):
+                t.add_column(c, justify="right" if c != "variant" else "left")
+            for k, v in s["seconds"].items():
+                rss = s["client_peak_rss_growth"].get(k)
+                urss = s["units_peak_rss_growth"].get(k)
+                t.add_row(k, f3(v), f"{s['gbps'][k]:.2f}", f"{v / s['seconds']['V2 units']:.2f}",
+                          f"{rss / MiB:.1f}" if rss is not None else "",
+                          f"{urss / MiB:.1f}" if urss is not None else "")
+            con.print(t)
+            con.print("  ratios: " + ", ".join(f"{k} = {v:.3f}" for k, v in s["ratios"].items()))
+    if results["keys"]:
+        t = Table(title=f"small keys (V2 units, {results['fs']})")
+        for c in ("keys", "bytes", "dump s", "dump µs/key", "restore s", "restore µs/key"):
+            t.add_column(c, justify="right")
+        for r in results["keys"].values():
+            t.add_row(f"{r['keys']:,}", f"{r['bytes']:,}", f"{r['dump_seconds']:.3f}",
+                      f"{r['dump_us_per_key']:.1f}", f"{r['restore_seconds']:.3f}",
+                      f"{r['restore_us_per_key']:.1f}")
+        con.print(t)
+        for r in results["keys"].values():
+            j = r.get("journal")
+            if j:
+                con.print(f"  journal at {r['keys']:,} keys: dump {j['dump_journal_seconds'] * 1e3:.1f} ms "
+                          f"({j['dump_share']:.1%} of the dump), restore "
+                          f"{j['restore_journal_seconds'] * 1e3:.1f} ms ({j['restore_share']:.1%})")
+
+
+# ---------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
+    warnings.filterwarnings("ignore")
+    import torch  # noqa: F401
+
+    for name in ("torch", "torch.fx", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from rich.console import Console
+
+    import tqtx as tq
+
+    con = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+    base = args.dir or os.getcwd()
+    os.makedirs(base, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="tqtx-bench-", dir=base)
+    results = {"config": {k: (sorted(v) if isinstance(v, set) else v)
+                          for k, v in vars(args).items()},
+               "dir": root, "fs": _fs_type(root), "cpus": os.cpu_count(),
+               "clear_refs": _reset_peak("self"), "sizes": {}, "keys": {}}
+    con.print(f"tqtx bench: dir {root} ({results['fs']}), {args.units} units, "
+              f"{args.reps} reps, sizes {args.sizes} MiB, key counts {args.key_counts}")
+    try:
+        cfg = tq.init({"num_units": args.units, "state_dir": os.path.join(root, "state")})
+        b = Bench(args, tq, cfg, root, con)
+        for size in args.sizes:
+            pid = f"big{size:g}"
+            t0 = time.perf_counter()
+            keys = _fill_big(tq, pid, size, args.row_kb)
+            b.log(f"{size:g} MiB: {len(keys)} rows put in {time.perf_counter() - t0:.1f}s")
+            sec = results["sizes"][f"{size:g}"] = {"rows": len(keys)}
+            if "save" not in args.skip:
+                sec["save"] = b.save_section(pid, keys, f"{size:g} MiB")
+            if "restore" not in args.skip:
+                sec["restore"] = b.restore_section(pid, keys, f"{size:g} MiB")
+            tq.kv_clear(keys, pid)
+        if "keys" not in args.skip:
+            jcount = min(args.key_counts, key=lambda c: abs(c - 10_000)) if args.key_counts else 0
+            for count in args.key_counts:
+                results["keys"][str(count)] = b.keys_section(
+                    count, journal=("journal" not in args.skip and count == jcount))
+        if len(results["keys"]) >= 2:
+            ks = sorted(results["keys"].values(), key=lambda r: r["keys"])
+            hi, lo = ks[-1], ks[-2]
+            results["key_scaling"] = {
+                "from": lo["keys"], "to": hi["keys"],
+                "dump_per_key_ratio": hi["dump_us_per_key"] / lo["dump_us_per_key"],
+                "restore_per_key_ratio": hi["restore_us_per_key"] / lo["restore_us_per_key"]}
+    finally:
+        tq.close()
+        if not args.keep_files:
+            shutil.rmtree(root, ignore_errors=True)
+    _tables(results, con)
+    if "key_scaling" in results:
+        ks = results["key_scaling"]
+        con.print(f"per-key cost {ks['to']:,} vs {ks['from']:,} keys: dump x"
+                  f"{ks['dump_per_key_ratio']:.2f}, restore x{ks['restore_per_key_ratio']:.2f}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+        con.print(f"results written to {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
