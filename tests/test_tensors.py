@@ -140,20 +140,24 @@ def test_non_tensor_stack_round_trip_with_nested_tensors():
     assert torch.equal(got[1]["k"], torch.arange(3)) and got[1]["l"] == [1, 2.5, None]
 
 
-def test_non_tensor_stack_of_tensors_stays_non_tensor():
-    td0 = TensorDict({"s": NonTensorStack(torch.ones(2), torch.ones(3, 3))}, batch_size=[2])
+def test_non_tensor_stack_of_bare_tensors_is_a_tensor_column():
+    """A column whose rows are all bare tensors is a tensor field (an object field never
+    holds a bare tensor: the dump format checks that), so it comes back as a tensor."""
+    td0 = TensorDict({"s": NonTensorStack(torch.ones(2), torch.ones(3))}, batch_size=[2])
     schemas, td = round_trip(td0)
-    assert schemas["s"] == {"kind": "object"}
-    got = td.get("s").tolist()
-    assert got[0].shape == (2,) and got[1].shape == (3, 3)
+    assert schemas["s"]["kind"] == "tensor" and schemas["s"]["jagged"]
+    assert [t.tolist() for t in td.get("s").unbind()] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
 
 
-def test_non_tensor_stack_mixed_tensor_and_str():
-    td0 = TensorDict({"s": NonTensorStack(torch.ones(2), "x")}, batch_size=[2])
-    schemas, td = round_trip(td0)
-    assert schemas["s"] == {"kind": "object"}
-    got = td.get("s").tolist()
-    assert torch.equal(got[0], torch.ones(2)) and got[1] == "x"
+def test_non_tensor_stack_mixing_bare_tensors_and_objects_is_refused():
+    cols = T.columns_from_tensordict(
+        TensorDict({"s": NonTensorStack(torch.ones(2), "x")}, batch_size=[2]), 2)
+    with pytest.raises(ValueError, match="mix tensors and non-tensor"):
+        T.column_schema(cols["s"])
+    # wrapping the tensor in a container keeps the column non-tensor
+    cols = T.columns_from_tensordict(
+        TensorDict({"s": NonTensorStack([torch.ones(2)], "x")}, batch_size=[2]), 2)
+    assert T.column_schema(cols["s"]) == {"kind": "object"}
 
 
 def test_non_tensor_data_broadcast_column():

@@ -77,14 +77,13 @@ def decode_object(value):
     return value
 
 
-class ObjectColumn(list):
-    """A column of non-tensor values (a NonTensorStack's rows), even if they hold tensors."""
-
-
 def column_schema(values: list) -> dict:
     """Field schema of one batch column of RawTensors or objects."""
-    if (not values or isinstance(values, ObjectColumn)
-            or not all(isinstance(v, RawTensor) for v in values)):
+    tensors = sum(1 for v in values if isinstance(v, RawTensor))
+    if tensors and tensors != len(values):
+        # an object field never holds a bare tensor (the dump format relies on it)
+        raise ValueError("rows mix tensors and non-tensor values")
+    if not tensors:
         return {"kind": "object"}
     shapes = {v.shape for v in values}
     ndims = {len(s) for s in shapes}
@@ -139,10 +138,10 @@ def columns_from_tensordict(td: TensorDict, n: int) -> dict[str, list]:
             raise TypeError(f"field names must be str, got {field!r}")
         col = td.get(field)
         if isinstance(col, NonTensorStack):
-            columns[field] = ObjectColumn(encode_object(v, field) for v in col.tolist())
+            columns[field] = [encode_object(v, field) for v in col.tolist()]
         elif isinstance(col, NonTensorData):
             data = col.tolist() if hasattr(col, "tolist") else [col.data] * n
-            columns[field] = ObjectColumn(encode_object(v, field) for v in data)
+            columns[field] = [encode_object(v, field) for v in data]
         elif isinstance(col, torch.Tensor):
             columns[field] = _rows_of_nested(col) if col.is_nested else _rows_of_dense(col)
         elif isinstance(col, TensorDict):
@@ -162,7 +161,7 @@ def columns_from_dict(fields: dict) -> dict[str, list]:
         if isinstance(value, torch.Tensor) and not value.is_nested:
             columns[field] = [to_raw(value)]
         else:
-            columns[field] = ObjectColumn([encode_object(value, field)])
+            columns[field] = [encode_object(value, field)]
     return columns
 
 

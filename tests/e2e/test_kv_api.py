@@ -457,3 +457,10 @@ def test_async_concurrent_puts_and_gets(pid):
 
     outs = asyncio.run(main())
     assert [o["x"][0, 0].item() for o in outs] == list(range(16))
+
+
+def test_mixed_tensor_and_object_rows_rejected_before_write(seeded):
+    with pytest.raises(ValueError, match="'obj'.*mix"):
+        tq.kv_batch_put(["c", "d"], seeded, TensorDict(
+            {"obj": NonTensorStack(torch.ones(2), "text")}, batch_size=[2]))
+    _check_unchanged(seeded)
