@@ -175,3 +175,70 @@ def test_concurrent_open_of_fresh_journal(tmp_path, kind):
     con.close()
     assert os.path.exists(str(controller_journal_path(target) if kind == "controller"
                               else dump_journal_path(target)) + ".migrate.lock")
+
+
+# --------------------------------------------------------------------------- fast creation
+def _checks(sql: str) -> set[str]:
+    """Named CHECK constraints of a CREATE TABLE statement, normalized."""
+    out, low = set(), " ".join(sql.replace('"', "").split()).lower()
+    pos = 0
+    while True:
+        k = low.find(" check (", pos)
+        if k < 0:
+            return out
+        depth, end = 0, k + 7
+        for end in range(k + 7, len(low)):
+            depth += {"(": 1, ")": -1}.get(low[end], 0)
+            if depth == 0:
+                break
+        name = low[:k].rsplit("constraint ", 1)[-1].split()[0] if "constraint " in low[:k] else ""
+        out.add(name + ":" + low[k + 7:end + 1].replace(" ", ""))
+        pos = end
+
+
+def _schema(path):
+    """Columns, indexes, foreign keys and CHECK constraints per table (order-insensitive)."""
+    import sqlite3
+    con = sqlite3.connect(path)
+    try:
+        out = {}
+        tables = con.execute("SELECT name, sql FROM sqlite_master WHERE type='table' "
+                             "AND name NOT LIKE 'sqlite_%'").fetchall()
+        for name, sql in tables:
+            cols = sorted((r[1], r[2].upper(), r[3], r[4], r[5])
+                          for r in con.execute(f"PRAGMA table_info('{name}')"))
+            idx = sorted((r[1], r[2], tuple(c[2] for c in con.execute(f"PRAGMA index_info('{r[1]}')")))
+                         for r in con.execute(f"PRAGMA index_list('{name}')")
+                         if not r[1].startswith("sqlite_autoindex"))
+            uniq = sorted(tuple(c[2] for c in con.execute(f"PRAGMA index_info('{r[1]}')"))
+                          for r in con.execute(f"PRAGMA index_list('{name}')") if r[2])
+            fks = sorted(tuple(r[2:5]) for r in con.execute(f"PRAGMA foreign_key_list('{name}')"))
+            out[name] = {"columns": cols, "indexes": idx, "unique": uniq, "fks": fks,
+                         "checks": sorted(_checks(sql))}
+        return out
+    finally:
+        con.close()
+
+
+def test_heads_constant_matches_the_migration_scripts():
+    from tqtx.journal import store
+    for chain in (store.CONTROLLER, store.DUMP):
+        assert store.HEADS[chain] == store.head_revision(chain)
+
+
+@pytest.mark.parametrize("chain", ["controller", "dump"])
+def test_fresh_journal_from_models_equals_the_migrated_schema(tmp_path, chain):
+    """New journals are created from the models and stamped; that must be the same
+    schema as running every migration from an empty database."""
+    from tqtx.journal import store
+    fast = tmp_path / "fast.sqlite"
+    slow = tmp_path / "slow.sqlite"
+    store.migrate(fast, chain)  # empty -> create_all + stamp
+    engine = store.make_engine(slow, wal=(chain == "controller"))
+    try:
+        with engine.begin() as conn:
+            from alembic import command
+            command.upgrade(store.alembic_config(chain, conn), f"{chain}@head")
+    finally:
+        engine.dispose()
+    assert _schema(fast) == _schema(slow)

@@ -51,7 +51,7 @@ def test_controller_pragmas(cj):
 def test_dump_pragmas(tmp_path):
     with DumpJournal(tmp_path / "ckpt" / "buf") as dj:
         assert dj.path == tmp_path / "ckpt" / "buf.journal.sqlite"
-        assert _pragmas(dj.engine) == {"journal_mode": "delete", "synchronous": 2,
+        assert _pragmas(dj.engine) == {"journal_mode": "persist", "synchronous": 2,
                                        "foreign_keys": 1, "busy_timeout": 30000}
     assert not (tmp_path / "ckpt" / "buf").exists()  # the journal is a sibling
 
@@ -300,7 +300,8 @@ def test_startup_replay(tmp_path, phase, expect):
         assert dj.unfinished_publications() == []
     assert tree(dump) == {"data": expect}
     assert sorted(p.name for p in dump.parent.iterdir()) == [
-        "buf", "buf.journal.sqlite", "buf.journal.sqlite.migrate.lock", "buf.lock"]
+        "buf", "buf.journal.sqlite", "buf.journal.sqlite-journal",
+            "buf.journal.sqlite.migrate.lock", "buf.lock"]
 
 
 def test_replay_survives_unreadable_dump_journal(cj, tmp_path):

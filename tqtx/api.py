@@ -39,6 +39,10 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
     ``config`` keys: ``num_units`` (2), ``state_dir`` ($TQTX_STATE_DIR or a per-user
     state dir), ``host`` (127.0.0.1), ``port`` (0 = any), ``timeout`` (seconds),
     ``address`` (attach instead of starting). Returns the effective config.
+    Access control (see docs/security.md): ``server_key`` (the deployment's public key,
+    or $TQTX_SERVER_KEY), ``keys_dir`` (a ``tqtx keys init`` key dir, or $TQTX_KEYS_DIR;
+    default ``<state_dir>/keys``), ``client_key`` (a client secret certificate file),
+    ``insecure`` (allow a non-loopback host without keys, with a warning).
     Calling init again while initialized returns the current config.
     """
     global _client, _deployment, _config
@@ -46,12 +50,19 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
         if _client is not None:
             return dict(_config)
         cfg = {**DEFAULTS, **(config or {})}
-        unknown = set(cfg) - {*DEFAULTS, "state_dir", "address", "unit_env", "env"}
+        unknown = set(cfg) - {*DEFAULTS, "state_dir", "address", "unit_env", "env",
+                              "server_key", "keys_dir", "client_key", "insecure"}
         if unknown:
             raise ValueError(f"unknown config keys: {sorted(unknown)}")
         address = address or cfg.get("address") or os.environ.get("TQTX_ADDRESS")
         if address:
-            client = Client(address, timeout=float(cfg["timeout"]))
+            from .security import attach_curve
+            curve = attach_curve(address, state_dir=cfg.get("state_dir")
+                                 or os.environ.get("TQTX_STATE_DIR"),
+                                 server_key=cfg.get("server_key"), keys_dir=cfg.get("keys_dir"),
+                                 client_key_file=cfg.get("client_key"),
+                                 insecure=bool(cfg.get("insecure")))
+            client = Client(address, timeout=float(cfg["timeout"]), curve=curve)
             topo = client.topology
             _config = {"mode": "attached", "address": address, "num_units": topo["num_units"],
                        "state_dir": topo["state_dir"], "host": address.split("//")[-1].rsplit(":", 1)[0],
@@ -64,11 +75,22 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
         num_units = int(cfg["num_units"])
         if num_units < 1:
             raise ValueError("num_units must be >= 1")
+        env = dict(cfg.get("env") or {})
+        if cfg.get("insecure"):
+            env["TQTX_INSECURE"] = "1"
+        if cfg.get("keys_dir"):
+            env["TQTX_KEYS_DIR"] = os.path.abspath(cfg["keys_dir"])
         dep = LocalDeployment(num_units=num_units, state_dir=state_dir, host=cfg["host"],
-                              port=int(cfg["port"]), env=cfg.get("env"),
+                              port=int(cfg["port"]), env=env or None,
                               unit_env=cfg.get("unit_env"))
         try:
-            client = Client(dep.address, timeout=float(cfg["timeout"]), deployment=dep)
+            from .security import client_curve_for
+            curve = client_curve_for(dep.state_dir, host=cfg["host"], keys_dir=cfg.get("keys_dir"),
+                                     server_key=cfg.get("server_key"),
+                                     client_key_file=cfg.get("client_key"),
+                                     force=env.get("TQTX_CURVE") == "1")
+            client = Client(dep.address, timeout=float(cfg["timeout"]), deployment=dep,
+                            curve=curve)
         except BaseException:
             dep.stop(graceful=False)
             raise

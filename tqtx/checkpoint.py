@@ -79,6 +79,21 @@ def _read_checked(path, entry: dict) -> bytes:
     return data
 
 
+def _verify_records(path: str, entries) -> None:
+    """Check every record's checksum before any unit replaces its rows (a unit finding a
+    corrupt record mid-load would leave the other units already loaded)."""
+    try:
+        with open(path, "rb") as f:
+            for gidx, offset, length, crc in entries:
+                f.seek(offset)
+                data = f.read(length)
+                if len(data) != length or zlib.crc32(data) != crc:
+                    raise DumpFormatError(f"{path}: record of global index {gidx} is truncated "
+                                          f"or its checksum does not match")
+    except OSError as exc:
+        raise DumpFormatError(f"{path}: cannot read: {exc}") from None
+
+
 def load(client, ckpt_dir: str) -> dict:
     """See :func:`tqtx.load_checkpoint`."""
     t0 = time.perf_counter()
@@ -113,6 +128,7 @@ def load(client, ckpt_dir: str) -> dict:
             if os.path.getsize(path) != entry["size"]:
                 raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
                                       f"{MANIFEST} ({entry['size']})")
+            _verify_records(path, entries)
             per_unit[entry["unit"]] = {"path": path, "entries": entries}
         # The controller refuses while a restore is unresolved, before any unit is touched.
         client.controller.call("CHECKPOINT_SNAPSHOT", {})

@@ -178,7 +178,6 @@ def server_curve_for(host: str, state_dir: str | None):
             socket.curve_secretkey = secret
             socket.curve_publickey = public
             socket.curve_server = True
-            socket.zap_domain = b"tqtx"
 
         _server_curve_active = True
         log.info("binding %s with CURVE authentication (keys in %s)", host, keys_dir)
@@ -205,7 +204,7 @@ def _client_configurator(server_key: bytes, public: bytes, secret: bytes):
 
 def client_curve_for(state_dir: str | None = None, *, host: str | None = None,
                      server_key: str | bytes | None = None, keys_dir: str | None = None,
-                     client_key_file: str | None = None):
+                     client_key_file: str | None = None, force: bool = False):
     """Socket configurator for connections from this process (None without CURVE).
 
     CURVE is used when a ``server_key`` is given explicitly (or ``$TQTX_SERVER_KEY``), or
@@ -223,7 +222,9 @@ def client_curve_for(state_dir: str | None = None, *, host: str | None = None,
     if server_key is None:
         if p is None or not os.path.isfile(p["server_public"]):
             return None
-        if host is not None:
+        if force:
+            wanted = True
+        elif host is not None:
             wanted = curve_required(host)
         else:
             wanted = _server_curve_active or curve_forced()
@@ -247,3 +248,27 @@ def client_curve_for(state_dir: str | None = None, *, host: str | None = None,
         log.warning("no client keypair found: using an ephemeral one (servers will refuse it "
                     "unless its public key is authorized)")
     return _client_configurator(server_key, public, secret)
+
+
+def attach_curve(address: str, *, state_dir: str | None = None, server_key=None,
+                 keys_dir: str | None = None, client_key_file: str | None = None,
+                 insecure: bool = False):
+    """Client configurator for attaching to ``address`` (None: plain connection).
+
+    Attaching to a non-loopback address without keys is refused unless ``insecure`` or
+    ``TQTX_INSECURE=1`` (then a warning is logged): the data would travel unauthenticated
+    and in clear text.
+    """
+    host = host_of(address)
+    curve = client_curve_for(state_dir, host=host, server_key=server_key, keys_dir=keys_dir,
+                             client_key_file=client_key_file)
+    if curve is None and curve_required(host):
+        if insecure or insecure_requested():
+            log.warning("attaching to %s WITHOUT authentication (--insecure)", address)
+            return None
+        raise PermissionError(
+            f"refusing to attach to {address} without authentication: give the deployment's "
+            f"public key (config 'server_key' / $TQTX_SERVER_KEY, with a client keypair in "
+            f"'keys_dir' / $TQTX_KEYS_DIR) or its state_dir holding keys/, or pass insecure "
+            f"(TQTX_INSECURE=1) to accept the risk")
+    return curve

@@ -317,7 +317,30 @@ def test_timeout_names_the_unit(served, attach):
         os.kill(pid, signal.SIGCONT)
     # after the unit resumes, the next request works (the late reply is not mistaken)
     assert tq.kv_batch_get(keys, "timeout-p")["x"].tolist() == [0, 1, 2, 3]
+    ctl = served["pids"]["controller"]
+    os.kill(ctl, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="controller"):
+            tq.kv_list()
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(ctl, signal.SIGCONT)
     tq.kv_clear(keys, "timeout-p")
+    assert tq.kv_list("timeout-p") == {}
+
+
+def test_attach_to_nothing_times_out_naming_controller(attach):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeoutError, match="controller"):
+        attach(f"tcp://127.0.0.1:{port}", timeout=1.0)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(tq.TqtxError, match="not initialized"):
+        tq.get_client()
 
 
 def test_serve_sigterm_stops_everything(tmp_path):

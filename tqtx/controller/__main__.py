@@ -28,6 +28,8 @@ def main(argv=None) -> int:
         announce({"error": type(exc).__name__, "message": str(exc)})
         return 2
     stop_on_signals(ctl.server.stop)
+    from ..metrics import maybe_start_exporter
+    maybe_start_exporter(ctl.server.metrics, 0)  # only with TQTX_METRICS_PORT set
     announce({"ready": ctl.address, "pid": os.getpid(), "incarnation": ctl.incarnation,
               "recovered": len(ctl.recovered)})
     ctl.serve_forever()

@@ -20,6 +20,14 @@ log = logging.getLogger("tqtx.controller")
 FINAL = {"committed", "aborted", "cancelled", "failed"}
 
 
+_RESTORE_UNIT_ACTIONS = {"claim", "staged", "failed"}
+
+
+def _restore_unit_label(body) -> str:
+    action = body.get("action") if isinstance(body, dict) else None
+    return f"RESTORE_UNIT:{action if action in _RESTORE_UNIT_ACTIONS else 'other'}"
+
+
 class RestorePlan:
     """In-memory side of an unresolved restore (the journal holds its state)."""
 
@@ -93,9 +101,15 @@ class Controller:
             ("GET_RESTORE", self.get_restore, False),
             ("CHECKPOINT_SNAPSHOT", self.checkpoint_snapshot, False),
             ("CHECKPOINT_REPLACE", self.checkpoint_replace, True),
-            ("STATS", self.stats, False), ("SHUTDOWN", self.shutdown, True),
+            ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
+            ("SHUTDOWN", self.shutdown, True),
         ]:
             s.add(op, fn, mutating=mutating)
+        # restore claims are counted per action: RESTORE_UNIT:claim / :staged / :failed
+        s.op_labels["RESTORE_UNIT"] = _restore_unit_label
+        s.metrics.gauge("rows_held", self._keys_held)
+        s.metrics.gauge("bytes_held", lambda: 0)
+        s.metrics.gauge("open_restores", lambda: len(self.restores))
 
     # ---------------------------------------------------------------- basics
     def ping(self, body, req):
@@ -242,6 +256,9 @@ class Controller:
 
     def record_dump(self, body, req):
         self.journal.record_dump(incarnation_id=self.incarnation, **body)
+        log.info("dump %s: recorded (%s keys, %s bytes, %s shards) for partition %r at %s",
+                 body.get("dump_id"), body.get("keys"), body.get("bytes"), body.get("shards"),
+                 body.get("partition_id"), body.get("dump_dir"))
         return {"ok": True}
 
     def validate_dump_schema(self, body, req):
@@ -413,6 +430,7 @@ class Controller:
     def _abort(self, rid: str, plan: RestorePlan | None, outcome: str, reason: str) -> None:
         rec = self.journal.get_restore(rid)
         self.journal.finish_restore(rid, outcome, reason)
+        faults.hit("controller.restore.after_abort_decision")
         units = [u["unit_id"] for u in rec["units"]]
         live = [u for u in units if u in self.unit_peers]
         if live:
@@ -448,11 +466,23 @@ class Controller:
         self.meta.replace(body["metadata"])
         return {"ok": True}
 
+    def _keys_held(self) -> int:
+        return sum(len(p.keys) for p in list(self.meta.partitions.values()))
+
     def stats(self, body, req):
-        return {"role": "controller", "uptime": time.time() - self.started,
-                "partitions": len(self.meta.partitions),
-                "keys": sum(len(p.keys) for p in self.meta.partitions.values()),
-                "open_restores": list(self.restores), "incarnation": self.incarnation}
+        """GET_STATS (alias STATS): process facts, open restores and per-op request metrics."""
+        keys = self._keys_held()
+        open_restores = [{"restore_id": r["restore_id"], "partition_id": r["partition_id"],
+                          "state": r["state"], "dump_dir": r["dump_dir"],
+                          "units": {u["unit_id"]: u["state"] for u in r.get("units", [])}}
+                         for r in self.journal.unresolved_restores()]
+        m = self.server.metrics
+        return {"role": "controller", "unit_id": None, "pid": os.getpid(),
+                "uptime": time.time() - self.started, "address": self.address,
+                "partitions": len(self.meta.partitions), "keys": keys, "rows": keys, "bytes": 0,
+                "open_restores": open_restores, "incarnation": self.incarnation,
+                "metrics_enabled": m.enabled, "ops": m.ops_snapshot(),
+                "totals": m.totals_snapshot()}
 
     def serve_forever(self) -> None:
         try:

@@ -168,12 +168,14 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
         first = errors[0][1]
         out = _finish(client, rid, commit=False, reason=f"unit {errors[0][0]}: {first}",
                       dump_dir=dump_dir)
+        faults.hit("client.restore.after_abort")
         _mark_dump_journal(dump_dir, rid, out["outcome"])
         if isinstance(first, PeerDiedError):
             raise first
         raise first
     faults.hit("client.restore.before_finish")
     out = _finish(client, rid, commit=True, dump_dir=dump_dir)
+    faults.hit("client.restore.after_finish")
     _mark_dump_journal(dump_dir, rid, out["outcome"])
     if out["outcome"] != "committed":
         raise RuntimeError(f"restore {rid} of {dump_dir} was {out['outcome']}: {out['reason']}")

@@ -173,6 +173,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
                 else:
                     handle._snapshot.set()
                     written = _client_write(client, pub.staging_dir, pid, keys, with_data)
+                faults.hit("client.dump.after_units_written")
                 shards, payload = [], 0
                 for u, reply in sorted(written.items()):
                     index_entry = fmt.write_shard_index(pub.staging_dir, u, reply["entries"])

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from filelock import FileLock
+from sqlalchemy.exc import OperationalError
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
@@ -96,11 +97,13 @@ def dump_journal_path(dump_dir: str | os.PathLike) -> Path:
 def make_engine(path: str | os.PathLike, *, wal: bool) -> Engine:
     """SQLite engine whose connections set the journal pragmas and begin with BEGIN IMMEDIATE.
 
-    Pragmas: ``busy_timeout=30000``, ``journal_mode=WAL`` (``DELETE`` when ``wal`` is false),
+    Pragmas: ``busy_timeout=30000``, ``journal_mode=WAL`` (``PERSIST`` when ``wal`` is false:
+    a rollback journal, safe on network filesystems, whose file is kept and zeroed rather
+    than deleted at each commit -- ~10x cheaper than DELETE on this disk),
     ``synchronous=FULL``, ``foreign_keys=ON``.
     """
     engine = create_engine(URL.create("sqlite", database=os.fspath(path)))
-    journal_mode = "WAL" if wal else "DELETE"
+    journal_mode = "WAL" if wal else "PERSIST"
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
@@ -166,26 +169,64 @@ def current_revision(engine: Engine) -> str | None:
         return _current(conn)
 
 
+# Head revision of each chain. Checked against the migration scripts by a test; lets a
+# journal at head open without importing alembic (which costs ~0.4 s per process).
+HEADS = {CONTROLLER: "c0002", DUMP: "d0002"}
+
+
+def _stamped_revision(conn) -> str | None:
+    """The alembic_version row, read with plain SQL (None for a database without one)."""
+    try:
+        rows = conn.exec_driver_sql("SELECT version_num FROM alembic_version").fetchall()
+    except OperationalError:
+        return None
+    return rows[0][0] if len(rows) == 1 else (",".join(r[0] for r in rows) or None)
+
+
+def _is_empty(conn) -> bool:
+    return conn.exec_driver_sql(
+        "SELECT count(*) FROM sqlite_master WHERE type='table'").scalar() == 0
+
+
+def _metadata(chain: str):
+    from . import models
+    return models.ControllerBase.metadata if chain == CONTROLLER else models.DumpBase.metadata
+
+
 def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
                    revision: str = "head") -> tuple[str | None, str | None]:
     """Upgrade the database behind ``engine`` to ``revision`` of ``chain``.
 
     Serialized across processes by ``<db>.migrate.lock``; the whole upgrade runs in one
-    BEGIN IMMEDIATE transaction. Returns (revision before, revision after).
+    BEGIN IMMEDIATE transaction. A brand-new journal going to head is created from the
+    models and stamped (the same schema the migrations build, proven by a test), which
+    keeps alembic off the path of every dump to a new directory. Returns
+    (revision before, revision after).
     """
-    target_id = head_revision(chain) if revision == "head" else revision
-    before = current_revision(engine)
+    target_id = HEADS[chain] if revision == "head" else revision
+    with engine.connect() as conn:
+        before = _stamped_revision(conn)
     if before == target_id:
         return before, before
     with FileLock(os.fspath(db_path) + ".migrate.lock"):
         with engine.begin() as conn:
-            before = _current(conn)
-            if before != target_id:
+            before = _stamped_revision(conn)
+            if before == target_id:
+                return before, before
+            if before is None and revision == "head" and _is_empty(conn):
+                _metadata(chain).create_all(conn)
+                conn.exec_driver_sql("CREATE TABLE alembic_version (version_num VARCHAR(32) "
+                                     "NOT NULL, CONSTRAINT alembic_version_pkc PRIMARY KEY "
+                                     "(version_num))")
+                conn.exec_driver_sql("INSERT INTO alembic_version (version_num) VALUES (?)",
+                                     (target_id,))
+            else:
                 from alembic import command
 
                 target = f"{chain}@head" if revision == "head" else revision
                 command.upgrade(alembic_config(chain, conn), target)
-    return before, current_revision(engine)
+    with engine.connect() as conn:
+        return before, _stamped_revision(conn)
 
 
 def migrate(db_path: str | os.PathLike, chain: str, revision: str = "head"

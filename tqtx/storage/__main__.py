@@ -30,6 +30,8 @@ def main(argv=None) -> int:
         announce({"error": type(exc).__name__, "message": str(exc)})
         return 2
     stop_on_signals(unit.server.stop)
+    from ..metrics import maybe_start_exporter
+    maybe_start_exporter(unit.server.metrics, 1 + args.unit_id)  # only with TQTX_METRICS_PORT
     announce({"ready": unit.address, "pid": os.getpid(), "unit_id": args.unit_id})
     unit.serve_forever()
     return 0

@@ -48,9 +48,15 @@ class StorageUnit:
             ("APPLY_STAGED", self.apply_staged, True), ("DROP_STAGED", self.drop_staged, True),
             ("SAVE_CHECKPOINT", self.save_checkpoint, True),
             ("LOAD_CHECKPOINT", self.load_checkpoint, True),
-            ("STATS", self.stats, False), ("SHUTDOWN", self.shutdown, True),
+            ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
+            ("SHUTDOWN", self.shutdown, True),
         ]:
             s.add(op, fn, mutating=mutating)
+        self.bytes_held = 0  # running total of the live rows' value bytes (no O(rows) stats)
+        self.metrics = s.metrics
+        self.metrics.gauge("rows_held", lambda: len(self.rows))
+        self.metrics.gauge("bytes_held", lambda: self.bytes_held)
+        self.metrics.gauge("open_restores", lambda: len(self.staging))
 
     def controller(self) -> Peer:
         return Peer(self.controller_address, "controller", timeout=60, curve=self.client_curve)
@@ -75,20 +81,27 @@ class StorageUnit:
         """Store rows; indexes listed in ``fresh`` replace whatever an earlier key left there."""
         fresh = set(body.get("fresh") or ())
         rows = self.rows
-        nbytes = 0
+        nbytes = freed = 0
         # Each decoded tensor owns its frame (or inline bytes): storing it pins nothing else.
         for idx, values in body["rows"]:
             for value in values.values():
                 nbytes += value_nbytes(value)
-            if idx in fresh or idx not in rows:
+            old = rows.get(idx)
+            if idx in fresh or old is None:
+                if old:
+                    freed += _row_nbytes(old)
                 rows[idx] = values
             else:
-                row = dict(rows[idx])  # copy-on-write: snapshots of the old row stay intact
+                row = dict(old)  # copy-on-write: snapshots of the old row stay intact
+                for f in values:
+                    if f in old:
+                        freed += value_nbytes(old[f])
                 row.update(values)
                 rows[idx] = row
         for idx in fresh:
             if idx not in rows:
                 rows[idx] = {}
+        self.bytes_held += nbytes - freed
         return {"rows": len(body["rows"]), "bytes": nbytes}
 
     def get_rows(self, body, req):
@@ -106,10 +119,13 @@ class StorageUnit:
         return {"rows": out}
 
     def drop_rows(self, body, req):
-        n = 0
+        n = freed = 0
         for idx in body["indexes"]:
-            if self.rows.pop(idx, None) is not None:
+            row = self.rows.pop(idx, None)
+            if row is not None:
                 n += 1
+                freed += _row_nbytes(row)
+        self.bytes_held -= freed
         return {"dropped": n}
 
     # ---------------------------------------------------------------- dump
@@ -123,8 +139,19 @@ class StorageUnit:
             snapshot.append((idx, {f: row[f] for f in fields}))
         job = DumpJob(body["dump_id"], body["path"], snapshot, self.unit_id)
         self.dump_jobs[job.dump_id] = job
+        job.future.add_done_callback(lambda _f: self._account_dump(job))
         self.pool.submit(job.run)
         return job
+
+    def _account_dump(self, job: "DumpJob") -> None:
+        m = self.metrics
+        if job.result is not None:
+            m.add("dumps_total")
+            m.add("dump_rows_total", job.result["rows"])
+            m.add("dump_bytes_total", job.result["bytes"])
+            m.add("dump_seconds_total", job.result["seconds"])
+        else:
+            m.add("dump_errors_total")
 
     def _reply_when_done(self, job: "DumpJob", req):
         deferred = self.server.deferred(req, self.server.current_ident)
@@ -157,6 +184,7 @@ class StorageUnit:
         job = self.dump_jobs.get(body["dump_id"])
         if job is not None:
             job.cancelled.set()
+            log.info("dump %s: unit %d cancelling its shard write", job.dump_id, self.unit_id)
         return {"cancelled": job is not None}
 
     # ---------------------------------------------------------------- restore
@@ -195,6 +223,7 @@ class StorageUnit:
                         for dest, fresh in targets[(path, src)]:
                             staged[dest] = (fresh, row)
                         nbytes += sum(value_nbytes(v) for v in row.values())
+                    faults.hit("unit.load.after_read_batch")
                     if rid in self.dropped:
                         raise RuntimeError(f"restore {rid} was abandoned while unit "
                                            f"{self.unit_id} was loading")
@@ -212,10 +241,15 @@ class StorageUnit:
                 with self.lock:
                     self.staging.pop(rid, None)
                 raise
-            log.info("restore %s: unit %d staged %d rows (%d bytes)", rid, self.unit_id,
-                     len(staged), nbytes)
-            deferred.reply({"rows": len(staged), "bytes": nbytes,
-                            "seconds": time.perf_counter() - t0})
+            seconds = time.perf_counter() - t0
+            log.info("restore %s: unit %d staged %d rows (%d bytes) in %.3fs", rid, self.unit_id,
+                     len(staged), nbytes, seconds)
+            m = self.metrics
+            m.add("loads_total")
+            m.add("load_rows_total", len(staged))
+            m.add("load_bytes_total", nbytes)
+            m.add("load_seconds_total", seconds)
+            deferred.reply({"rows": len(staged), "bytes": nbytes, "seconds": seconds})
         except faults.DropReply as exc:
             deferred.reply(error=exc)
         except BaseException as exc:
@@ -243,14 +277,23 @@ class StorageUnit:
         if staged is None:
             raise RuntimeError(f"unit {self.unit_id} has no staged rows for restore {rid}")
         rows = self.rows
+        added = 0
         # A restored row's fields share one buffer: that row's own record, nothing more.
         for dest, (fresh, values) in staged.items():
-            if fresh or dest not in rows:
+            added += _row_nbytes(values)
+            old = rows.get(dest)
+            if fresh or old is None:
+                if old:
+                    added -= _row_nbytes(old)
                 rows[dest] = values
             else:
-                row = dict(rows[dest])
+                row = dict(old)
+                for f in values:
+                    if f in old:
+                        added -= value_nbytes(old[f])
                 row.update(values)
                 rows[dest] = row
+        self.bytes_held += added
         result = {"rows": len(staged)}
         self.applied[rid] = result
         while len(self.applied) > 1024:
@@ -294,11 +337,14 @@ class StorageUnit:
         def work():
             try:
                 rows = {}
+                total = 0
                 if entries:
                     for batch in fmt.read_records(path, entries, batch=128):
                         for idx, row in batch:
                             rows[idx] = row
+                            total += _row_nbytes(row)
                 self.rows = rows
+                self.bytes_held = total
                 with self.lock:
                     self.staging.clear()
                 deferred.reply({"rows": len(rows)})
@@ -309,11 +355,13 @@ class StorageUnit:
         return deferred
 
     def stats(self, body, req):
-        rows = self.rows
-        return {"role": "unit", "unit_id": self.unit_id, "uptime": time.time() - self.started,
-                "rows": len(rows),
-                "bytes": sum(value_nbytes(v) for r in list(rows.values()) for v in r.values()),
-                "staged_restores": list(self.staging)}
+        """GET_STATS (alias STATS): rows/bytes held (running totals), staged restores, ops."""
+        m = self.metrics
+        return {"role": "unit", "unit_id": self.unit_id, "pid": os.getpid(),
+                "uptime": time.time() - self.started, "address": self.address,
+                "rows": len(self.rows), "bytes": self.bytes_held,
+                "staged_restores": list(self.staging), "metrics_enabled": m.enabled,
+                "ops": m.ops_snapshot(), "totals": m.totals_snapshot()}
 
     def serve_forever(self) -> None:
         try:
@@ -321,6 +369,10 @@ class StorageUnit:
         finally:
             self.pool.shutdown(wait=True)
 
+
+
+def _row_nbytes(row: dict) -> int:
+    return sum(value_nbytes(v) for v in row.values())
 
 
 class DumpJob:

@@ -21,6 +21,7 @@ import zmq
 from .. import faults
 from ..errors import (DumpFormatError, KeysNotFoundError, PeerDiedError, PeerTimeoutError,
                       RemoteError, RestorePendingError)
+from ..metrics import Metrics, frames_nbytes
 from .codec import CodecError, decode, encode
 
 log = logging.getLogger("tqtx.rpc")
@@ -72,15 +73,26 @@ def raise_remote(err: dict, peer: str):
     raise RemoteError(f"{peer}: {kind}: {message}")
 
 
+def _ids(body) -> str:
+    """`` (restore R, unit U)`` for log lines about a request, so one grep finds them."""
+    if not isinstance(body, dict):
+        return ""
+    parts = [f"{k.split('_')[0]} {body[k]}" for k in ("restore_id", "dump_id", "unit_id")
+             if body.get(k) is not None]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 # ---------------------------------------------------------------- server
 class Deferred:
     """Returned by a handler that will reply later from another thread via ``reply``."""
 
     def __init__(self, server: "Server", ident: bytes, rid: str, op: str, cache: bool):
         self._server, self._ident, self._rid, self._op, self._cache = server, ident, rid, op, cache
+        self._timing = server._timing  # [op label, receive time, request bytes] or None
 
     def reply(self, result=None, error: BaseException | None = None) -> None:
-        self._server._post(self._ident, self._rid, self._op, self._cache, result, error)
+        self._server._post(self._ident, self._rid, self._op, self._cache, result, error,
+                           self._timing)
 
 
 class Server:
@@ -115,6 +127,10 @@ class Server:
         self._wake_local = threading.local()
         self._stop = False
         self.idle_hooks: list[Callable[[], None]] = []
+        role, _, suffix = name.partition("-")
+        self.metrics = Metrics(role, int(suffix) if suffix.isdigit() else None)
+        self.op_labels: dict[str, Callable[[dict], str]] = {}  # op -> metrics label from body
+        self._timing: list | None = None
 
     def add(self, op: str, fn: Callable, *, mutating: bool = False) -> None:
         self.handlers[op] = (fn, mutating)
@@ -123,8 +139,8 @@ class Server:
         self._stop = True
 
     # called from worker threads
-    def _post(self, ident, rid, op, cache, result, error):
-        self._posted.put((ident, rid, op, cache, result, error))
+    def _post(self, ident, rid, op, cache, result, error, timing=None):
+        self._posted.put((ident, rid, op, cache, result, error, timing))
         sock = getattr(self._wake_local, "sock", None)
         if sock is None:
             sock = self._wake_local.sock = self.context.socket(zmq.PUSH)
@@ -146,7 +162,7 @@ class Server:
         except TypeError as exc:
             return encode({"rid": rid, "ok": False, "error": error_payload(exc)})
 
-    def _finish(self, ident, rid, op, cache, result, error) -> None:
+    def _finish(self, ident, rid, op, cache, result, error, timing=None) -> None:
         frames = self._reply_frames(rid, result, error)
         self._pending.pop(rid, None)
         if cache and rid:
@@ -154,10 +170,22 @@ class Server:
             while len(self._cache) > _REPLY_CACHE_SIZE:
                 self._cache.popitem(last=False)
         self._send(ident, frames)
+        if timing is not None:
+            self._record(timing, frames, error is not None)
+
+    def _record(self, timing: list, frames, error: bool) -> None:
+        """Count one request: receive-to-reply time, request and reply frame bytes."""
+        label, t0, nin = timing
+        self.metrics.record(label, time.perf_counter() - t0, nin,
+                            frames_nbytes(frames) if frames else 0, error)
 
     def _handle(self, msg: list) -> None:
         ident, frames = msg[0], msg[1:]
-        rid, op = "", "?"
+        rid, op, body = "", "?", None
+        timing = None
+        if self.metrics.enabled:
+            timing = ["?", time.perf_counter(), frames_nbytes(frames)]
+        self._timing = timing
         try:
             request = decode(frames)
             if not isinstance(request, dict) or not isinstance(request.get("op"), str):
@@ -166,10 +194,15 @@ class Server:
             entry = self.handlers.get(op)
             if entry is None:
                 raise ValueError(f"{self.name}: unknown request type {op!r}")
+            if timing is not None:
+                labeller = self.op_labels.get(op)
+                timing[0] = op if labeller is None else labeller(body)
             fn, mutating = entry
             if mutating and rid:
                 if rid in self._cache:
                     self._send(ident, self._cache[rid])
+                    if timing is not None:
+                        self._record(timing, self._cache[rid], False)
                     return
                 if rid in self._pending:
                     return  # the first copy's reply will come; ignore the duplicate
@@ -186,13 +219,15 @@ class Server:
                 if mutating and rid:  # the outcome is recorded; only this reply is lost
                     self._cache[rid] = self._reply_frames(rid, result, None)
                 raise
-            self._finish(ident, rid, op, mutating, result, None)
+            self._finish(ident, rid, op, mutating, result, None, timing)
         except faults.DropReply:
-            log.warning("%s: fault point dropped the reply to %s", self.name, op)
+            log.warning("%s: fault point dropped the reply to %s%s", self.name, op, _ids(body))
+            if timing is not None:
+                self._record(timing, None, False)
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
             if not isinstance(exc, (ValueError, TypeError, KeyError, RestorePendingError)):
-                log.exception("%s: %s failed", self.name, op)
-            self._finish(ident, rid, op, False, None, exc)
+                log.exception("%s: %s failed%s", self.name, op, _ids(body))
+            self._finish(ident, rid, op, False, None, exc, timing)
 
     def deferred(self, request: dict, ident: bytes) -> Deferred:
         op = request["op"]
@@ -212,13 +247,15 @@ class Server:
                         break
             while True:
                 try:
-                    ident, rid, op, cache, result, error = self._posted.get_nowait()
+                    ident, rid, op, cache, result, error, timing = self._posted.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(error, faults.DropReply):
                     self._pending.pop(rid, None)
+                    if timing is not None:
+                        self._record(timing, None, False)
                     continue
-                self._finish(ident, rid, op, cache, result, error)
+                self._finish(ident, rid, op, cache, result, error, timing)
             if self.socket in events:
                 for _ in range(64):
                     try:
