@@ -43,6 +43,8 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
     or $TQTX_SERVER_KEY), ``keys_dir`` (a ``tqtx keys init`` key dir, or $TQTX_KEYS_DIR;
     default ``<state_dir>/keys``), ``client_key`` (a client secret certificate file),
     ``insecure`` (allow a non-loopback host without keys, with a warning).
+    ``metrics`` (``{"enabled": bool, "port": int}``): Prometheus endpoints, controller at
+    ``port`` and unit k at ``port + 1 + k`` (see docs/operations.md).
     Calling init again while initialized returns the current config.
     """
     global _client, _deployment, _config
@@ -51,7 +53,7 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
             return dict(_config)
         cfg = {**DEFAULTS, **(config or {})}
         unknown = set(cfg) - {*DEFAULTS, "state_dir", "address", "unit_env", "env",
-                              "server_key", "keys_dir", "client_key", "insecure"}
+                              "server_key", "keys_dir", "client_key", "insecure", "metrics"}
         if unknown:
             raise ValueError(f"unknown config keys: {sorted(unknown)}")
         address = address or cfg.get("address") or os.environ.get("TQTX_ADDRESS")
@@ -82,7 +84,7 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
             env["TQTX_KEYS_DIR"] = os.path.abspath(cfg["keys_dir"])
         dep = LocalDeployment(num_units=num_units, state_dir=state_dir, host=cfg["host"],
                               port=int(cfg["port"]), env=env or None,
-                              unit_env=cfg.get("unit_env"))
+                              unit_env=cfg.get("unit_env"), metrics=cfg.get("metrics"))
         try:
             from .security import client_curve_for
             curve = client_curve_for(dep.state_dir, host=cfg["host"], keys_dir=cfg.get("keys_dir"),
@@ -98,7 +100,8 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
         _config = {"mode": "embedded", "address": dep.address, "num_units": num_units,
                    "state_dir": dep.state_dir, "host": cfg["host"],
                    "timeout": float(cfg["timeout"]), "units": client.unit_addresses,
-                   "incarnation": dep.incarnation, "pids": dict(dep.pids)}
+                   "incarnation": dep.incarnation, "pids": dict(dep.pids),
+                   "metrics_port": dep.metrics_port}
         return dict(_config)
 
 

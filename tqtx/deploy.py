@@ -46,7 +46,7 @@ class LocalDeployment:
 
     def __init__(self, *, num_units: int = 2, state_dir: str, host: str = "127.0.0.1",
                  port: int = 0, start_timeout: float = 60.0, env: dict | None = None,
-                 unit_env: dict | None = None):
+                 unit_env: dict | None = None, metrics: dict | None = None):
         self.num_units = num_units
         self.state_dir = os.path.abspath(state_dir)
         self.host = host
@@ -55,6 +55,12 @@ class LocalDeployment:
         self._parent_r, self._parent_w = os.pipe()
         os.set_inheritable(self._parent_r, False)
         self.env = {**os.environ, **(env or {})}
+        if metrics and metrics.get("enabled", True):
+            # Prometheus export: controller at the base port, unit k at base + 1 + k.
+            self.env["TQTX_METRICS_PORT"] = str(int(metrics.get("port") or 9464))
+            self.env.setdefault("TQTX_METRICS_HOST", metrics.get("host") or host)
+        self.metrics_port = int(self.env["TQTX_METRICS_PORT"]) if self.env.get(
+            "TQTX_METRICS_PORT", "").strip() else None
         self.unit_env = unit_env or {}
         self.stopped = False
         log_dir = os.path.join(self.state_dir, "logs")
@@ -118,7 +124,9 @@ class LocalDeployment:
             raise RuntimeError(f"{name} is still running")
         proc = self._start(name, ["-m", "tqtx.storage", "--controller", self.address,
                                   "--unit-id", str(uid), "--host", self.host, "--state-dir",
-                                  self.state_dir], {**self.env, **(env or {})})
+                                  self.state_dir, "--log-file",
+                                  os.path.join(self.state_dir, "logs", f"unit-{uid}.log")],
+                           {**self.env, **(env or {})})
         self._ready(name, proc, timeout)
 
     def stop(self, graceful: bool = True, timeout: float = 10.0) -> None:

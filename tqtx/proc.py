@@ -32,14 +32,24 @@ def announce(obj: dict) -> None:
 
 
 def setup_logging(level: str | None = None, log_file: str | None = None, name: str = "") -> None:
-    level = level or os.environ.get("TQTX_LOG_LEVEL", "WARNING")
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    """stderr gets ``TQTX_LOG_LEVEL`` (WARNING); the log file gets at least INFO from ``tqtx.*``
+    (``TQTX_LOG_FILE_LEVEL``, default INFO), so dump/restore lines always reach the file."""
+    level = (level or os.environ.get("TQTX_LOG_LEVEL", "WARNING")).upper()
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setLevel(level)
+    handlers: list[logging.Handler] = [stderr]
+    tqtx_level = logging.getLevelName(level)
     if log_file:
         os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+        file_level = os.environ.get("TQTX_LOG_FILE_LEVEL", "INFO").upper()
+        fh = logging.FileHandler(log_file)
+        fh.setLevel(min(logging.getLevelName(file_level), tqtx_level))
+        handlers.append(fh)
+        tqtx_level = fh.level
     fmt = f"%(asctime)s {name}[%(process)d] %(name)s %(levelname)s %(message)s"
-    logging.basicConfig(level=level.upper(), format=fmt, handlers=handlers, force=True)
-    logging.getLogger("tqtx").setLevel(level.upper())
+    # The root level filters other libraries; tqtx's own records pass at the file's level.
+    logging.basicConfig(level=level, format=fmt, handlers=handlers, force=True)
+    logging.getLogger("tqtx").setLevel(tqtx_level)
 
 
 def stop_on_signals(stop) -> None:

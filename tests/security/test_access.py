@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 import zmq
+import zmq.auth
 from click.testing import CliRunner
 from tensordict import TensorDict
 
@@ -209,7 +210,6 @@ def test_curve_deployment_end_to_end(tq_start, curve_host, tmp_path):
         sock.curve_secretkey = stranger_sec
 
     # a client that knows the server key but signs with the *server's* keypair
-    import zmq.auth
     spub, ssec = zmq.auth.load_certificate(info["server_secret"])
 
     def impostor(sock):
