@@ -166,7 +166,7 @@ def test_non_contiguous_and_typed_views():
             "big_strided": RawTensor("uint8", [5000], memoryview(bytearray(10000))[::2])}
     bufs, length, crc = F.encode_record(1, rows)
     rec = b"".join(bytes(b) for b in bufs)
-    assert len(rec) == length and zlib.crc32(rec) == crc
+    assert len(rec) == length and F.checksum(rec) == crc
     _, row = F.decode_record(rec)
     assert row == rows
 
@@ -278,7 +278,7 @@ def test_read_records_truncated_and_crc(tmp_path):
     data = bytearray(p.read_bytes())
     data[entries[2][1] + entries[2][2] - 1] ^= 0x40
     p.write_bytes(data)
-    with pytest.raises(DumpFormatError, match=r"s\.bin.*global index 2.*crc32"):
+    with pytest.raises(DumpFormatError, match=r"s\.bin.*global index 2.*CRC-32C"):
         list(F.read_records(p, entries))
     # Without verification the flipped payload byte decodes (it is just data).
     assert len(list(F.read_records(p, entries, verify=False))[0]) == 5
@@ -354,7 +354,7 @@ def _rewrite_row_index(d, mutate):
     data = F._pack(idx)
     (d / F.ROW_INDEX).write_bytes(data)
     m = _manifest(d)
-    m["row_index"].update(size=len(data), crc32=zlib.crc32(data))
+    m["row_index"].update(size=len(data), crc32=F.checksum(data))
     _set_manifest(d, m)
 
 
@@ -430,7 +430,7 @@ def _c_record_outside(d):
     data = F._pack(sidx)
     sidx_path.write_bytes(data)
     m = _manifest(d)
-    m["shards"][0]["index"].update(size=len(data), crc32=zlib.crc32(data))
+    m["shards"][0]["index"].update(size=len(data), crc32=F.checksum(data))
     _set_manifest(d, m)
     return r"unit-0\.bin: record for global index \d+ .*outside the shard"
 
@@ -440,7 +440,7 @@ def _c_row_index_crc(d):
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 1
     p.write_bytes(data)
-    return r"rows\.msgpack: crc32 mismatch"
+    return r"rows\.msgpack: checksum \(CRC-32C\) mismatch"
 
 
 def _c_row_index_size(d):
@@ -454,7 +454,7 @@ def _c_shard_index_crc(d):
     data = bytearray(p.read_bytes())
     data[-1] ^= 1
     p.write_bytes(data)
-    return r"unit-1\.index: crc32 mismatch"
+    return r"unit-1\.index: checksum \(CRC-32C\) mismatch"
 
 
 def _c_row_without_record(d):
@@ -555,7 +555,7 @@ def test_verify_dump_names_corrupt_record(pristine, tmp_path):
     [err] = res["errors"]
     assert err["global_index"] == gidx and err["key"] == key
     assert err["file"] == str(shard["path"])
-    assert f"global index {gidx}" in err["error"] and "crc32" in err["error"]
+    assert f"global index {gidx}" in err["error"] and "CRC-32C" in err["error"]
 
 
 # --------------------------------------------------------------------------- fuzzing
@@ -582,7 +582,7 @@ def test_corrupted_record_never_yields_wrong_row(data):
     try:
         if len(rec) != _FUZZ_LEN:
             raise DumpFormatError("truncated")  # what read_records reports
-        if zlib.crc32(rec) != _FUZZ_CRC:
+        if F.checksum(rec) != _FUZZ_CRC:
             raise DumpFormatError("crc")
         gidx, row = F.decode_record(rec, expected_gidx=42)
         assert gidx == 42 and row == _FUZZ_ROW
@@ -701,7 +701,7 @@ def test_mangled_indexes_fail_cleanly(pristine, tmp_path_factory, data):
         (d / target).write_bytes(raw)
         m = _manifest(d)
         entry = m["row_index"] if target == F.ROW_INDEX else m["shards"][0]["index"]
-        entry.update(size=len(raw), crc32=zlib.crc32(raw))
+        entry.update(size=len(raw), crc32=F.checksum(raw))
         _set_manifest(d, m)
     try:
         F.read_dump_index(d)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 
 from . import __version__
 from .dump import format as fmt
@@ -27,7 +26,7 @@ def _write(path, data: bytes) -> dict:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": len(data), "crc32": zlib.crc32(data)}
+    return {"size": len(data), "crc32": fmt.checksum(data)}
 
 
 def save(client, ckpt_dir: str, *, metadata: dict | None = None) -> dict:
@@ -74,7 +73,7 @@ def _read_checked(path, entry: dict) -> bytes:
             data = f.read()
     except OSError as exc:
         raise DumpFormatError(f"{path}: cannot read: {exc}") from None
-    if len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]:
+    if len(data) != entry["size"] or fmt.checksum(data) != entry["crc32"]:
         raise DumpFormatError(f"{path}: size or checksum does not match {MANIFEST}")
     return data
 
@@ -87,7 +86,7 @@ def _verify_records(path: str, entries) -> None:
             for gidx, offset, length, crc in entries:
                 f.seek(offset)
                 data = f.read(length)
-                if len(data) != length or zlib.crc32(data) != crc:
+                if len(data) != length or fmt.checksum(data) != crc:
                     raise DumpFormatError(f"{path}: record of global index {gidx} is truncated "
                                           f"or its checksum does not match")
     except OSError as exc:

@@ -184,7 +184,10 @@ def verify(dump_dir, as_json):
 @click.option("--address", default=None, help="Controller address (default $TQTX_ADDRESS).")
 @click.option("--json", "as_json", is_flag=True)
 def stats(address, as_json):
-    """Per-process statistics of a running deployment."""
+    """Per-process statistics: uptime, rows, bytes, open restores, requests by type.
+
+    ``--json`` prints one object ``{"controller": {...}, "units": [...], "client": {...}}``
+    (see docs/operations.md)."""
     from .client import Client
     address = address or os.environ.get("TQTX_ADDRESS")
     if not address:
@@ -197,15 +200,8 @@ def stats(address, as_json):
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
-    from rich.console import Console
-    from rich.table import Table
-    t = Table("process", "uptime s", "rows/keys", "bytes", "open restores")
-    c = data["controller"]
-    t.add_row("controller", f"{c['uptime']:.0f}", str(c["keys"]), "-", str(len(c["open_restores"])))
-    for u in data["units"]:
-        t.add_row(f"unit {u['unit_id']}", f"{u['uptime']:.0f}", str(u["rows"]), str(u["bytes"]),
-                  str(len(u.get("staged_restores", []))))
-    Console().print(t)
+    from .metrics import render_stats
+    render_stats(data)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -58,6 +58,12 @@ class Client:
         self._local = threading.local()
         self._all_peers: list[Peer] = []
         self._peers_lock = threading.Lock()
+        # client-side totals: calls, rows and bytes per kind (see client_stats)
+        self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}
+                         for k in ("puts", "gets", "dumps", "restores")}
+        self._counters_lock = threading.Lock()
+        from .metrics import ENABLED as counting
+        self._counting = counting  # TQTX_METRICS=0 turns these off too
         deadline = time.monotonic() + wait_ready
         while True:
             topo = self.controller.call("TOPOLOGY", timeout=min(timeout, wait_ready))
@@ -141,6 +147,7 @@ class Client:
         alloc = self.controller.call("ALLOC", {"partition_id": pid, "keys": keys,
                                                "schemas": schemas})
         indexes = alloc["indexes"]
+        nbytes = 0
         if columns:
             fresh = set(alloc["fresh"])
             per_unit: dict[int, dict] = {}
@@ -153,7 +160,8 @@ class Client:
                 req["rows"].append([idx, {f: c[i] for f, c in zip(names, cols)}])
                 if idx in fresh:
                     req["fresh"].append(idx)
-            self.fan_out("PUT_ROWS", per_unit)
+            replies = self.fan_out("PUT_ROWS", per_unit)
+            nbytes = sum(r.get("bytes", 0) for r in replies.values())
         elif alloc["fresh"]:
             per_unit = {}
             for idx in alloc["fresh"]:
@@ -162,6 +170,7 @@ class Client:
         res = self.controller.call("COMMIT_PUT", {"partition_id": pid, "keys": keys,
                                                   "fields": list(columns), "schemas": schemas,
                                                   "tags": tags})
+        self.count("puts", len(keys), nbytes)
         return res["fields"]
 
     def get_columns(self, keys: list[str], pid: str, select_fields=None):
@@ -177,7 +186,11 @@ class Client:
                 u = idx % self.num_units
                 per_unit.setdefault(u, {"indexes": [], "fields": fields})["indexes"].append(idx)
                 positions.setdefault(u, []).append(pos)
+            peers = [self.unit(u) for u in per_unit]
+            before = sum(p.bytes_received + p.header_bytes_received for p in peers)
             replies = self.fan_out("GET_ROWS", per_unit)
+            self.count("gets", len(keys), sum(p.bytes_received + p.header_bytes_received
+                                              for p in peers) - before)
             for u, reply in replies.items():
                 for pos, row in zip(positions[u], reply["rows"]):
                     for f, v in zip(fields, row):
@@ -197,8 +210,27 @@ class Client:
             self.fan_out("DROP_ROWS", per_unit)
         return len(freed)
 
+    def count(self, kind: str, rows: int = 0, nbytes: int = 0) -> None:
+        """Add one call of ``kind`` (puts, gets, dumps, restores) to the client totals."""
+        if not self._counting:
+            return
+        with self._counters_lock:
+            c = self.counters[kind]
+            c["calls"] += 1
+            c["rows"] += rows
+            c["bytes"] += nbytes
+
+    def client_stats(self) -> dict:
+        """This client's totals: ``{kind: {calls, rows, bytes}}`` plus pid and address."""
+        import os
+        with self._counters_lock:
+            counts = {k: dict(v) for k, v in self.counters.items()}
+        return {"role": "client", "pid": os.getpid(), "address": self.address, **counts}
+
     def stats(self) -> dict:
-        out = {"controller": self.controller.call("STATS")}
-        replies = self.fan_out("STATS", {u: {} for u in range(self.num_units)})
+        """GET_STATS of the controller and every unit, plus this client's totals."""
+        out = {"controller": self.controller.call("GET_STATS")}
+        replies = self.fan_out("GET_STATS", {u: {} for u in range(self.num_units)})
         out["units"] = [replies[u] for u in range(self.num_units)]
+        out["client"] = self.client_stats()
         return out

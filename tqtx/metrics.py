@@ -281,3 +281,53 @@ def maybe_start_exporter(metrics: Metrics, offset: int):
     if port is None:
         return None
     return start_exporter(metrics, port)
+
+
+# ---------------------------------------------------------------- `tqtx stats` rendering
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def render_stats(data: dict, console=None) -> None:
+    """Print ``Client.stats()`` as rich tables: one summary, then requests per process."""
+    from rich.console import Console
+    from rich.table import Table
+    con = console or Console()
+    procs = [("controller", data["controller"])] + [
+        (f"unit {u.get('unit_id')}", u) for u in data.get("units", [])]
+    t = Table("process", "pid", "uptime s", "rows", "bytes", "open restores",
+              title="tqtx processes")
+    for name, p in procs:
+        opened = p.get("open_restores") if p.get("role") == "controller" else \
+            p.get("staged_restores", [])
+        t.add_row(name, str(p.get("pid", "-")), f"{p.get('uptime', 0):.0f}",
+                  str(p.get("rows", p.get("keys", "-"))), str(p.get("bytes", "-")),
+                  str(len(opened or [])))
+    con.print(t)
+    for r in data["controller"].get("open_restores") or []:
+        if isinstance(r, dict):
+            units = ", ".join(f"unit {u}: {s}" for u, s in sorted(r.get("units", {}).items()))
+            con.print(f"  open restore {r['restore_id']} ({r.get('state')}, partition "
+                      f"{r.get('partition_id')!r}): {units}")
+    for name, p in procs:
+        ops = p.get("ops") or {}
+        t = Table("request", "count", "errors", "p50 ms", "p99 ms", "bytes in", "bytes out",
+                  title=f"{name} requests" + ("" if p.get("metrics_enabled", True)
+                                              else " (recording disabled)"))
+        for op, r in ops.items():
+            t.add_row(op, str(r["count"]), str(r["errors"]), _ms(r.get("p50_ms")),
+                      _ms(r.get("p99_ms")), str(r.get("bytes_in", 0)),
+                      str(r.get("bytes_out", 0)))
+        con.print(t)
+        totals = p.get("totals") or {}
+        if totals:
+            con.print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in totals.items()))
+    client = data.get("client")
+    if client:
+        t = Table("client (this process)", "calls", "rows", "bytes")
+        for kind in ("puts", "gets", "dumps", "restores"):
+            c = client.get(kind) or {}
+            t.add_row(kind, str(c.get("calls", 0)), str(c.get("rows", 0)),
+                      str(c.get("bytes", 0)))
+        con.print(t)

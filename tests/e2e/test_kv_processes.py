@@ -60,6 +60,13 @@ def start_serve(state_dir, units=2):
     if not line:
         proc.kill()
         raise AssertionError(f"tqtx serve printed nothing: {proc.stderr.read()}")
+    # `tqtx serve` installs its SIGTERM handler only after its stderr banner (see
+    # test_serve_sigterm_right_after_announcement): wait for the banner and a little more.
+    while "tqtx serving at" not in (proc.stderr.readline() or "tqtx serving at"):
+        pass
+    # keep draining stderr (children log warnings there) so nobody blocks on a full pipe
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    time.sleep(0.2)
     return proc, json.loads(line)
 
 
@@ -71,8 +78,7 @@ def stop_serve(proc, timeout=15):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    for s in (proc.stdout, proc.stderr):
-        s.close()
+    proc.stdout.close()
     return proc.returncode
 
 
@@ -353,6 +359,48 @@ def test_serve_sigterm_stops_everything(tmp_path):
     rc = stop_serve(proc)
     assert rc == 0 and time.monotonic() - t0 < 10
     assert wait_gone(pids, 5) == []
+
+
+@pytest.mark.xfail(reason="BUG: `tqtx serve` (cli.py serve) prints its readiness JSON line "
+                          "before installing its SIGTERM/SIGINT handlers, so a SIGTERM sent "
+                          "promptly after readiness kills it with the default action (exit "
+                          "-15, no graceful dep.stop()); here its stderr banner write is held up "
+                          "to make the window deterministic", strict=True)
+def test_serve_sigterm_right_after_announcement(tmp_path):
+    import fcntl
+    r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    os.set_blocking(w, False)
+    try:  # fill the stderr pipe so the banner write after the JSON line blocks
+        while True:
+            os.write(w, b"x" * 512)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tqtx", "serve", "--units", "1", "--port", "0",
+         "--state-dir", str(tmp_path / "s")],
+        stdout=subprocess.PIPE, stderr=w, text=True, env=_env())
+    os.close(w)
+    def _drain():
+        while os.read(r, 65536):
+            pass
+        os.close(r)
+
+    drain = threading.Thread(target=_drain, daemon=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        drain.start()  # let the banner through: a handled SIGTERM now stops serve cleanly
+        rc = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        wait_gone(info["pids"].values(), 5)
+    assert rc == 0
 
 
 # ---------------------------------------------------------------- concurrency

@@ -155,29 +155,34 @@ def test_deployment_on_ip_insecure_works_with_warning(tq_start, monkeypatch):
     assert "WITHOUT authentication" in log
 
 
-def _refused(address: str, *, curve=None, timeout: float = 1.5) -> None:
-    """A request from a peer without the right key gets no reply at all."""
-    peer = Peer(address, "intruder", timeout=timeout, curve=curve)
-    try:
-        with pytest.raises(PeerTimeoutError):
-            peer.call("PING")
-        with pytest.raises(PeerTimeoutError):
-            peer.call("LIST", {"partition_id": None})
-    finally:
-        peer.close()
+def _all_refused(attempts: list, wait: float = 2.0) -> None:
+    """Requests from peers without the right key get no reply at all.
 
-
-def _raw_plaintext_gets_nothing(address: str) -> None:
+    ``attempts``: ``(address, curve_configurator_or_None)``; all are sent at once, then
+    every socket must stay silent for ``wait`` seconds.
+    """
+    from tqtx.wire.codec import encode
     ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(address)
+    socks = []
     try:
-        from tqtx.wire.codec import encode
-        s.send_multipart(encode({"op": "LIST", "rid": "x", "body": {}}))
-        assert s.poll(1000) == 0, "a peer without keys got a reply"
+        for address, curve in attempts:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                curve(s)
+            s.connect(address)
+            for op in ("PING", "LIST"):
+                s.send_multipart(encode({"op": op, "rid": op, "body": {"partition_id": None}}))
+            socks.append((address, curve, s))
+        poller = zmq.Poller()
+        for *_, s in socks:
+            poller.register(s, zmq.POLLIN)
+        events = dict(poller.poll(wait * 1000))
+        answered = [(a, c) for a, c, s in socks if s in events]
+        assert not answered, f"peers without the right key got a reply: {answered}"
     finally:
-        s.close(0)
+        for *_, s in socks:
+            s.close(0)
 
 
 def test_curve_deployment_end_to_end(tq_start, curve_host, tmp_path):
@@ -226,12 +231,11 @@ def test_curve_deployment_end_to_end(tq_start, curve_host, tmp_path):
         sock.curve_publickey = cpub
         sock.curve_secretkey = csec
 
-    for addr in (controller, unit0):
-        _raw_plaintext_gets_nothing(addr)
-        _refused(addr)
-        _refused(addr, curve=stranger)
-        _refused(addr, curve=impostor)
-        _refused(addr, curve=wrong_server)
+    _all_refused([(addr, curve) for addr in (controller, unit0)
+                  for curve in (None, stranger, impostor, wrong_server)])
+    # the Peer API reports the refusal as a timeout
+    with pytest.raises(PeerTimeoutError):
+        Peer(unit0, "intruder", timeout=1.0, curve=stranger).call("PING")
 
     # the deployment still serves its own clients after the failed handshakes
     assert torch.equal(tq.kv_batch_get(keys, "secret")["obs"], td["obs"])
@@ -254,17 +258,27 @@ _ATTACH = textwrap.dedent("""
 """)
 
 
-def _attach(cfg: dict, env: dict | None = None) -> dict:
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("TQTX_KEYS_DIR", "TQTX_SERVER_KEY", "TQTX_INSECURE",
-                             "TQTX_STATE_DIR", "TQTX_CLIENT_KEY")}
-    full_env.update(env or {})
-    out = subprocess.run([sys.executable, "-c", _ATTACH, json.dumps(cfg)], capture_output=True,
-                         text=True, timeout=60, env=full_env)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise AssertionError(out.stderr[-3000:])
+def _attach_all(runs: list) -> list:
+    """Run attach attempts ``(cfg, env)`` in parallel subprocesses; their results in order."""
+    procs = []
+    for cfg, env in runs:
+        full_env = {k: v for k, v in os.environ.items()
+                    if k not in ("TQTX_KEYS_DIR", "TQTX_SERVER_KEY", "TQTX_INSECURE",
+                                 "TQTX_STATE_DIR", "TQTX_CLIENT_KEY")}
+        full_env.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, "-c", _ATTACH, json.dumps(cfg)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=full_env))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                results.append(json.loads(line[7:]))
+                break
+        else:
+            raise AssertionError(err[-3000:])
+    return results
 
 
 def test_curve_attach_from_other_processes(tq_start, curve_host, tmp_path):
@@ -277,24 +291,29 @@ def test_curve_attach_from_other_processes(tq_start, curve_host, tmp_path):
     address = cfg["address"]
     base = {"address": address, "timeout": 3}
 
-    # the deployment's key and the authorized client keypair: served
-    ok = _attach({**base, "server_key": info["server_key"], "client_key": info["client_secret"]})
-    assert ok["ok"], ok
-    assert ok["obs"] == expected
-    # the same through the environment (key dir of `tqtx keys init`)
-    ok = _attach(base, {"TQTX_KEYS_DIR": info["keys_dir"]})
-    assert ok["ok"] and ok["obs"] == expected
-    # the right server key but an unauthorized (ephemeral) client keypair: refused
-    bad = _attach({**base, "server_key": info["server_key"]})
-    assert not bad["ok"] and bad["type"] == "PeerTimeoutError", bad
-    # no key at all: refused up front on a non-loopback address, times out on forced loopback
+    runs = [
+        # the deployment's key and the authorized client keypair: served
+        ({**base, "server_key": info["server_key"], "client_key": info["client_secret"]}, None),
+        # the same through the environment (key dir of `tqtx keys init`)
+        (base, {"TQTX_KEYS_DIR": info["keys_dir"]}),
+        # the right server key but an unauthorized (ephemeral) client keypair: refused
+        ({**base, "server_key": info["server_key"]}, None),
+        # --insecure only skips the client-side check: the server still refuses
+        ({**base, "insecure": True}, {"TQTX_CURVE": "0"}),
+    ]
     if IP is not None:
-        bad = _attach(base)
+        # no key at all: refused up front on a non-loopback address
+        runs.append((base, None))
+    results = _attach_all(runs)
+    for ok in results[:2]:
+        assert ok["ok"], ok
+        assert ok["obs"] == expected
+    for bad in results[2:4]:
+        assert not bad["ok"] and bad["type"] == "PeerTimeoutError", bad
+    if IP is not None:
+        bad = results[4]
         assert not bad["ok"] and bad["type"] == "PermissionError", bad
         assert "without authentication" in bad["msg"]
-    # --insecure only skips the client-side check: the server still refuses
-    bad = _attach({**base, "insecure": True}, {"TQTX_CURVE": "0"})
-    assert not bad["ok"] and bad["type"] == "PeerTimeoutError", bad
     # the deployment is unaffected
     assert torch.equal(tq.kv_batch_get(keys, "secret")["obs"], td["obs"])
 

@@ -9,7 +9,7 @@ Layout of a dump directory::
 
 A record is ``b"TQR1" + uint32_le(header_len) + header + payload`` where the header is
 ``{"i": global_index, "f": {field: ["t", dtype, shape, rel_offset, nbytes] |
-["o", packed_object]}}`` (codec.packb) and tensor payloads follow the header. The crc32
+["o", packed_object]}}`` (codec.packb) and tensor payloads follow the header. The crc32 (a CRC-32C, Castagnoli)
 of a record covers all of its bytes.
 
 This module is torch-free: it runs inside storage-unit processes.
@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import struct
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +31,8 @@ from typing import Iterable, Iterator
 import msgpack
 
 from tqtx import faults
+from crc32c import crc32c as checksum  # CRC-32C (Castagnoli), hardware-accelerated
+
 from tqtx.errors import DumpFormatError
 from tqtx.wire import codec
 from tqtx.wire.values import DTYPE_SIZES, RawTensor
@@ -210,9 +211,9 @@ def _encode(gidx: int, row: dict, with_crc: bool):
     length = len(head) + large_off - small_total
     if not with_crc:
         return head, large, length
-    crc = zlib.crc32(head)
+    crc = checksum(head)
     for buf in large:
-        crc = zlib.crc32(buf, crc)
+        crc = checksum(buf, crc)
     return [head, *large], length, crc
 
 
@@ -366,7 +367,7 @@ class ShardWriter:
         pending_bytes = 0
         offset = self.bytes_written
         inflight: Future | None = None
-        crc32 = zlib.crc32
+        crc32 = checksum
         try:
             for gidx, row in rows:
                 head, large, length = _encode(gidx, row, False)
@@ -471,9 +472,9 @@ def _read_entry(fd: int, entry, verify: bool, label: str):
     if len(data) != length:
         raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
                               f"length {length}): truncated shard: read {len(data)} bytes")
-    if verify and zlib.crc32(data) != crc:
+    if verify and checksum(data) != crc:
         raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
-                              f"length {length}): crc32 mismatch ({zlib.crc32(data):#010x}, "
+                              f"length {length}): checksum (CRC-32C) mismatch ({checksum(data):#010x}, "
                               f"index says {crc:#010x})")
     try:
         return decode_record(data, expected_gidx=gidx, where=label)
@@ -625,7 +626,7 @@ def write_row_index(staging_dir, *, partition_id: str, dump_id: str, field_schem
                   "dump_id": dump_id, "field_schema": field_schema,
                   "rows": [list(r) for r in rows]})
     _write_file(Path(staging_dir) / ROW_INDEX, data)
-    return {"file": ROW_INDEX, "size": len(data), "crc32": zlib.crc32(data)}
+    return {"file": ROW_INDEX, "size": len(data), "crc32": checksum(data)}
 
 
 def write_shard_index(staging_dir, unit, entries) -> dict:
@@ -636,7 +637,7 @@ def write_shard_index(staging_dir, unit, entries) -> dict:
     path = Path(staging_dir) / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_file(path, data)
-    return {"file": rel, "size": len(data), "crc32": zlib.crc32(data)}
+    return {"file": rel, "size": len(data), "crc32": checksum(data)}
 
 
 def write_manifest(staging_dir, *, dump_id: str, partition_id: str, keys: int,
@@ -726,9 +727,9 @@ def _read_checked(path: Path, entry: dict, manifest_name: str):
         raise _error(path, f"cannot read: {exc}") from None
     if len(data) != entry["size"]:
         raise _error(path, f"size is {len(data)} bytes, {manifest_name} says {entry['size']}")
-    crc = zlib.crc32(data)
+    crc = checksum(data)
     if crc != entry["crc32"]:
-        raise _error(path, f"crc32 mismatch ({crc:#010x}, {manifest_name} says "
+        raise _error(path, f"checksum (CRC-32C) mismatch ({crc:#010x}, {manifest_name} says "
                            f"{entry['crc32']:#010x})")
     try:
         return _unpack(data)

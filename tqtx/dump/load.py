@@ -69,8 +69,8 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
     if alive is False:
         # Its controller is gone, and its metadata with it: that restore can never commit.
         journal.finish_restore(rid, "aborted")
-        log.warning("restore %s reading %s belonged to a controller that is gone; marked aborted",
-                    rid, dump_dir)
+        log.warning("restore %s: reading %s, belonged to a controller that is gone; marked "
+                    "aborted", rid, dump_dir)
         return
     reason = "other_controller" if alive else "unknown_restore"
     raise _pending({"restore_id": rid, "dump_dir": dump_dir,
@@ -113,7 +113,9 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
     if not os.path.isdir(dump_dir) and not os.path.exists(dump_dir + ".lock"):
         raise DumpFormatError(f"{dump_dir}: no such dump directory")
     if via == "client":
-        return _load_via_client(client, dump_dir, partition_id, t0)
+        report = _load_via_client(client, dump_dir, partition_id, t0)
+        client.count("restores", report["rows_with_data"], report["bytes"])
+        return report
     rid = new_id()
     with dump_lock(dump_dir):
         recover_publications(dump_dir)
@@ -166,6 +168,8 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
             raise _pending(rec, "unit_running",
                            f"restore {rid}: unit(s) {running} did not reply in time;")
         first = errors[0][1]
+        for u, e in errors:
+            log.warning("restore %s: unit %d failed: %s; abandoning", rid, u, e)
         out = _finish(client, rid, commit=False, reason=f"unit {errors[0][0]}: {first}",
                       dump_dir=dump_dir)
         faults.hit("client.restore.after_abort")
@@ -186,6 +190,7 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
               "seconds": time.perf_counter() - t0, "partition_id": pid, "dump_dir": dump_dir}
     log.info("restore %s: committed %d keys (%d new) in %.3fs", rid, report["keys"], new_keys,
              report["seconds"])
+    client.count("restores", report["rows_with_data"], read_bytes)
     return report
 
 
@@ -258,7 +263,7 @@ def _settle(client, dump_dir: str, rid: str, row: dict | None, cancel: bool) -> 
                 return False
         if cancel:
             _mark_dump_journal(dump_dir, rid, "cancelled")
-            log.warning("restore %s of %s: unknown to the controller; cancelled", rid, dump_dir)
+            log.warning("restore %s: of %s, unknown to the controller; cancelled", rid, dump_dir)
             return False
         raise _pending({"restore_id": rid, "dump_dir": dump_dir,
                         "partition_id": (row or {}).get("partition_id")}, "unknown_restore")

@@ -79,12 +79,13 @@ def settle_background_dumps(*, cancel: bool = False) -> dict:
         if cancel:
             h.cancel()
             report["cancelled"].append(h.dump_id)
-            log.warning("close: cancelled background dump %s to %s", h.dump_id, h.dump_dir)
+            log.warning("dump %s: cancelled by close (background dump to %s)", h.dump_id,
+                        h.dump_dir)
         else:
             try:
                 h.result()
             except Exception as exc:  # reported by the handle's owner; close still proceeds
-                log.error("close: background dump %s failed: %s", h.dump_id, exc)
+                log.error("dump %s: background dump failed (seen at close): %s", h.dump_id, exc)
             report["waited"].append(h.dump_id)
     return report
 
@@ -165,9 +166,12 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
                     per_unit: dict[int, dict] = {}
                     for key, idx, fields, tag in with_data:
                         u = client.owner(idx)
-                        per_unit.setdefault(u, {"dump_id": dump_id, "unit_id": u, "rows": [],
-                                                "path": str(pub.staging_dir / fmt.shard_file_name(u))}
-                                            )["rows"].append([idx, fields])
+                        req = per_unit.get(u)
+                        if req is None:
+                            req = per_unit[u] = {
+                                "dump_id": dump_id, "unit_id": u, "rows": [],
+                                "path": str(pub.staging_dir / fmt.shard_file_name(u))}
+                        req["rows"].append([idx, fields])
                     started_units = sorted(per_unit)
                     written = _unit_write(client, handle, per_unit)
                 else:
@@ -196,7 +200,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
                     call_many([(client.unit(u), "DUMP_CANCEL", {"dump_id": dump_id})
                                for u in started_units], raise_first=False, timeout=30)
                 pub.abort(f"{type(exc).__name__}: {exc}")
-                log.error("dump %s to %s failed: %s", dump_id, dump_dir, exc)
+                log.error("dump %s: to %s failed: %s", dump_id, dump_dir, exc)
                 raise
     report = {"keys": len(rows), "rows_with_data": len(with_data), "shards": len(shards),
               "bytes": total, "dump_id": dump_id, "seconds": time.perf_counter() - t0,
@@ -209,6 +213,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
         log.warning("dump %s: could not record it in the controller journal: %s", dump_id, exc)
     log.info("dump %s: %d keys (%d with data) to %s, %d bytes in %.3fs", dump_id, len(rows),
              len(with_data), dump_dir, total, report["seconds"])
+    client.count("dumps", len(with_data), total)
     return report
 
 

@@ -7,6 +7,8 @@ an unknown msgpack extension type is refused.
 """
 from __future__ import annotations
 
+import gc
+
 import msgpack
 
 from .values import RawTensor
@@ -15,6 +17,7 @@ EXT_TENSOR_FRAME = 1   # payload: [dtype, shape, frame_number]
 EXT_TENSOR_INLINE = 2  # payload: [dtype, shape, bytes]
 INLINE_LIMIT = 4096
 MAX_HEADER_BYTES = 1 << 30
+GC_PAUSE_BYTES = 1 << 18
 
 
 class CodecError(ValueError):
@@ -77,6 +80,11 @@ def decode(frames: list):
             raise CodecError(str(exc)) from None
         return tensor
 
+    # Decoding a large header creates many containers at once; the cyclic GC would
+    # rescan them again and again (cost growing with the batch), and they hold no cycles.
+    pause_gc = buffers[0].nbytes > GC_PAUSE_BYTES and gc.isenabled()
+    if pause_gc:
+        gc.disable()
     try:
         if buffers[0].nbytes > MAX_HEADER_BYTES:
             raise CodecError(f"header of {buffers[0].nbytes} bytes exceeds {MAX_HEADER_BYTES}")
@@ -85,6 +93,9 @@ def decode(frames: list):
         raise
     except Exception as exc:  # msgpack raises several types for garbage input
         raise CodecError(f"malformed message: {type(exc).__name__}: {exc}") from None
+    finally:
+        if pause_gc:
+            gc.enable()
 
 
 def packb(obj) -> bytes:

@@ -1,0 +1,362 @@
+"""Helpers for the crash matrix: run a dump or a restore with one fault armed, recover, and
+check every invariant. Used by test_crash_matrix.py."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import filelock
+import torch
+from click.testing import CliRunner
+
+import tqtx as tq
+from buffers import assert_same_value, rollout_batch, rows_of
+from tqtx import RestorePendingError, api
+from tqtx.dump import format as fmt
+
+T = 5.0                       # client request timeout in every matrix deployment
+FINAL = {"committed", "aborted", "cancelled", "failed"}
+UNIT_FINAL = {"applied", "failed", "dropped"}
+PUB_FINAL = {"cleaned", "failed", "rolled-back"}
+
+CLIENT_SCRIPT = r"""
+import os, sys, tqtx as tq
+tq.init({"timeout": float(os.environ["TQ_T"])}, address=os.environ["TQ_ADDR"])
+if sys.argv[1] == "dump":
+    r = tq.dump_data_by_key(sys.argv[2], sys.argv[3].split(","), "p")
+    print("DONE", r["dump_id"])
+else:
+    r = tq.load_data_by_key(sys.argv[2])
+    print("DONE", r["restore_id"])
+"""
+
+
+# --------------------------------------------------------------------------- helpers
+def journal_json(state_dir=None, dump_dir=None) -> dict:
+    """``tqtx journal show --json`` (the click command, run in this process)."""
+    from tqtx.journal.cli import journal
+    args = ["show", "--json"] + ([str(dump_dir)] if dump_dir else ["--state-dir", str(state_dir)])
+    res = CliRunner().invoke(journal, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def assert_journals_final(state_dir, dump_dir) -> dict:
+    ctl = journal_json(state_dir=state_dir)
+    for r in ctl["restores"]:
+        assert r["state"] in FINAL and r["outcome"] == r["state"], r
+        assert all(u["state"] in UNIT_FINAL for u in r["units"]), r
+    dj = journal_json(dump_dir=dump_dir)
+    for r in dj["restores"]:
+        assert r["state"] in FINAL, r
+    for p in dj["publications"]:
+        assert p["phase"] in PUB_FINAL, p
+    return ctl
+
+
+def siblings(d) -> list[str]:
+    parent, name = os.path.split(str(d))
+    return sorted(x for x in os.listdir(parent)
+                  if x.startswith(name + ".tmp-") or x == name + ".old")
+
+
+def assert_lock_free(path) -> None:
+    lock = filelock.FileLock(str(path))
+    lock.acquire(timeout=0)   # raises filelock.Timeout while anyone holds it
+    lock.release()
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def where(point: str) -> str:
+    if point.startswith(("client.", "publish.")):
+        return "client"
+    return point.split(".", 1)[0]            # controller | unit
+
+
+class Run:
+    """One deployment lifecycle of a matrix case: start, crash, recover, check, close."""
+
+    FAULTY_UNIT = 1
+
+    def __init__(self, tmp_path, point: str, action: str, nth: int):
+        self.tmp = tmp_path
+        self.point, self.action, self.nth = point, action, nth
+        self.spec = f"{point}@{nth}:{action}"
+        self.side = where(point)
+        self.pids: set[int] = set()
+        self.state_dir = str(tmp_path / "state")
+        self.restarted: set[str] = set()   # "job" and/or "unit 1"
+        self.outcome = None                # "ok" | "error" | "died"
+        self.error = ""
+
+    # deployment --------------------------------------------------------------
+    def start(self, faults: bool = True):
+        env, unit_env = {}, {}
+        if faults and self.side == "controller":
+            env = {"TQTX_FAULTS": self.spec}
+        if faults and self.side == "unit":
+            unit_env = {self.FAULTY_UNIT: {"TQTX_FAULTS": self.spec}}
+        tq.close()
+        self.cfg = tq.init({"num_units": 2, "state_dir": self.state_dir, "timeout": T,
+                            "env": env, "unit_env": unit_env})
+        self._note_pids()
+        return self.cfg
+
+    def _note_pids(self):
+        dep = api._deployment
+        if dep is not None:
+            self.pids.update(dep.pids.values())
+
+    def dead(self) -> list[str]:
+        dep = api._deployment
+        return [name for name, p in dep.procs.items() if p.poll() is not None]
+
+    def recover_processes(self) -> None:
+        """Restart what died: the whole job after a controller crash, else the dead unit."""
+        dead = self.dead()
+        if "controller" in dead:
+            # The job died with its controller: kill what is left (crash, not shutdown).
+            for name, p in api._deployment.procs.items():
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGKILL)
+            self.restarted.add("job")
+            self.start(faults=False)
+        else:
+            for name in dead:
+                api._deployment.restart_unit(int(name.split()[1]))
+                self.restarted.add(name)
+            if dead:
+                tq.get_client().refresh_topology()  # the restarted unit has a new address
+            self._note_pids()
+
+    def run_op(self, fn, client_args) -> None:
+        """The operation under test: in this process, or in a child for client-side faults."""
+        if self.side == "client":
+            env = {**os.environ, "TQ_ADDR": self.cfg["address"], "TQ_T": str(T),
+                   "TQTX_FAULTS": self.spec}
+            proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, *client_args], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                self.outcome = "ok"
+            elif proc.returncode == -signal.SIGKILL:
+                self.outcome = "died"
+            else:
+                self.outcome, self.error = "error", proc.stderr[-3000:]
+            return
+        try:
+            fn()
+            self.outcome = "ok"
+        except Exception as exc:  # noqa: BLE001 - any failure is allowed; invariants decide
+            self.outcome, self.error = "error", f"{type(exc).__name__}: {exc}"
+
+    def check_fired(self) -> None:
+        """The armed fault must really have happened (a case that never fires proves nothing)."""
+        if self.action == "kill":
+            if self.side == "client":
+                assert self.outcome == "died", (self.spec, self.outcome, self.error)
+            else:
+                victim = "controller" if self.side == "controller" else f"unit {self.FAULTY_UNIT}"
+                assert victim in self.dead(), (self.spec, self.outcome, self.error)
+        elif self.action == "raise":
+            assert self.outcome == "error" and "fault injected" in self.error, \
+                (self.spec, self.outcome, self.error)
+        elif self.action.startswith("delay"):
+            assert self.outcome == "ok", (self.spec, self.error)
+
+    def units_clean(self) -> None:
+        client = tq.get_client()
+        for u in range(2):
+            st = client.unit(u).call("STATS")
+            assert st["staged_restores"] == [], (u, st)
+        assert tq.get_client().controller.call("STATS")["open_restores"] == []
+
+    def close(self) -> None:
+        dep = api._deployment
+        if dep is not None:
+            # stop every process at once (each stops in ~1 s), then the orderly close reaps them
+            for p in dep.procs.values():
+                if p.poll() is None:
+                    p.terminate()
+        tq.close()
+        deadline = time.monotonic() + 10
+        while [p for p in self.pids if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leaked = [p for p in self.pids if alive(p)]
+        assert not leaked, f"processes still running after close: {leaked}"
+        assert_lock_free(os.path.join(self.state_dir, "controller.lock"))
+
+
+# --------------------------------------------------------------------------- dump scenario
+DUMP_KEYS = [f"s{i}" for i in range(12)]
+OLD_KEYS, NEW_KEYS = DUMP_KEYS[:5], DUMP_KEYS[5:]
+
+
+def dump_case(tmp_path, point: str, action: str) -> dict:
+    # server-side points are hit once by the first (old) dump: fire on the second
+    nth = 1 if where(point) == "client" else 2
+    run = Run(tmp_path, point, action, nth)
+    d = tmp_path / "d"
+    run.start()
+    try:
+        keys, td, tags = rollout_batch(len(DUMP_KEYS))
+        tq.kv_batch_put(keys, "p", td, tags=tags)
+        ref = tq.kv_batch_get(keys, "p")
+        old = tq.dump_data_by_key(d, OLD_KEYS, "p")
+        run.run_op(lambda: tq.dump_data_by_key(d, NEW_KEYS, "p"),
+                   ["dump", str(d), ",".join(NEW_KEYS)])
+        run.check_fired()
+        run.recover_processes()
+        # next access recovers the dump (lock + dump journal replay)
+        idx = tq.read_row_index(d)
+        which = "old" if idx["dump_id"] == old["dump_id"] else "new"
+        assert list(idx["rows"]) == (OLD_KEYS if which == "old" else NEW_KEYS)
+        if run.outcome == "ok":
+            assert which == "new", "a dump that reported success is not in place"
+        v = fmt.verify_dump(d)
+        assert v["ok"], v["errors"][:3]
+        assert siblings(d) == [], siblings(d)
+        assert_journals_final(run.cfg["state_dir"], d)
+        assert_lock_free(str(d) + ".lock")
+        if not run.restarted:
+            # the dump never changes live data
+            got = tq.kv_batch_get(keys, "p")
+            for a, b in zip(rows_of(ref), rows_of(got)):
+                for f in a:
+                    assert_same_value(a[f], b[f], f)
+            run.units_clean()
+            # and the dump path is not blocked
+            rep = tq.dump_data_by_key(d, NEW_KEYS[:2], "p")
+            assert tq.read_row_index(d)["dump_id"] == rep["dump_id"]
+        return {"which": which, "outcome": run.outcome, "restarted": sorted(run.restarted)}
+    finally:
+        run.close()
+
+
+# --------------------------------------------------------------------------- restore scenario
+def make_reference_dump(path) -> dict:
+    """A dump of 10 of 16 rollout rows plus a tag-only key, written in-process."""
+    from tqtx.testing import InProcessDeployment
+    dep = InProcessDeployment(2, os.path.join(os.path.dirname(str(path)), "ref-state"))
+    try:
+        dep.activate()
+        keys, td, tags = rollout_batch(16)
+        tq.kv_batch_put(keys, "p", td, tags=tags)
+        tq.kv_put("tag-only", "p", None, tag={"status": "running", "v": torch.tensor([7])})
+        sel = [k for i, k in enumerate(keys) if i % 3]
+        ref = tq.kv_batch_get(sel, "p")
+        tq.dump_data_by_key(path, sel + ["tag-only"], "p")
+        listed = tq.kv_list("p")["p"]
+    finally:
+        dep.stop()
+    return {"path": str(path), "sel": sel, "rows": dict(zip(sel, rows_of(ref))),
+            "tags": {k: listed[k] for k in sel + ["tag-only"]}}
+
+
+def _copy_dump(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    shutil.copy2(src + ".journal.sqlite", str(dst) + ".journal.sqlite")
+    return str(dst)
+
+
+def _settle(run: Run, dump: str) -> bool:
+    """recover_data_load until it settles; a restore stuck with a unit that never reports is
+    cancelled (the documented escape) after 20 s. Returns True if cancel was needed."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            tq.recover_data_load(dump)
+            return False
+        except RestorePendingError:
+            if time.monotonic() > deadline:
+                tq.recover_data_load(dump, cancel=True)
+                return True
+            time.sleep(0.5)
+
+
+MINE = torch.full((4,), 3.0)
+
+
+def restore_case(tmp_path, ref: dict, point: str, action: str) -> dict:
+    run = Run(tmp_path, point, action, 1)
+    dump = _copy_dump(ref["path"], tmp_path / "dump")
+    sel = ref["sel"]
+    restored = set(sel) | {"tag-only"}
+    run.start()
+    try:
+        client = tq.get_client()
+        # bystanders: an existing key the dump overwrites, one it does not know, another partition
+        tq.kv_put("s1", "p", {"obs": MINE}, tag={"status": "mine"})
+        tq.kv_put("by", "p", {"obs": torch.ones(4)}, tag={"b": 1})
+        tq.kv_put("z", "other", {"z": torch.arange(5)}, tag={"o": 2})
+        owner = {k: i % 2 for k, i in zip(
+            ["s1", "by", "z"],
+            client.controller.call("LOOKUP", {"partition_id": "p", "keys": ["s1", "by"]})["indexes"]
+            + client.controller.call("LOOKUP", {"partition_id": "other", "keys": ["z"]})["indexes"])}
+        run.run_op(lambda: tq.load_data_by_key(dump), ["load", dump])
+        run.check_fired()
+        run.recover_processes()
+        cancelled = _settle(run, dump)
+        ctl = assert_journals_final(run.cfg["state_dir"], dump)
+        committed = [r for r in ctl["restores"] if r["state"] == "committed"]
+        assert len(committed) <= 1
+        if run.outcome == "ok":
+            assert committed, "load reported success but nothing is committed"
+        lost = set() if not run.restarted else (
+            {0, 1} if "job" in run.restarted else {run.FAULTY_UNIT})
+        visible = set(tq.kv_list("p").get("p", {}))
+        new = restored - {"s1"}
+        # all or nothing
+        if committed:
+            assert new <= visible, f"committed but missing {sorted(new - visible)}"
+            idx = client_lookup(sel)
+            for k in sel:
+                if idx[k] % 2 in lost:
+                    continue  # that unit's memory died with it
+                got = rows_of(tq.kv_batch_get([k], "p", select_fields=sorted(ref["rows"][k])))[0]
+                for f, v in ref["rows"][k].items():
+                    assert_same_value(v, got[f], f"{k}.{f}")
+        else:
+            assert not (new & visible), f"aborted but visible: {sorted(new & visible)}"
+            if "job" not in run.restarted and owner["s1"] not in lost:
+                assert torch.equal(tq.kv_batch_get(["s1"], "p", select_fields=["obs"])["obs"][0],
+                                   MINE)
+                assert tq.kv_list("p")["p"]["s1"] == {"status": "mine"}
+        # bystanders unchanged wherever their unit survived
+        if "job" not in run.restarted:
+            if owner["by"] not in lost:
+                assert torch.equal(tq.kv_batch_get(["by"], "p")["obs"][0], torch.ones(4))
+            assert tq.kv_list("p")["p"]["by"] == {"b": 1}
+            if owner["z"] not in lost:
+                assert torch.equal(tq.kv_batch_get(["z"], "other")["z"][0], torch.arange(5))
+            assert tq.kv_list("other")["other"] == {"z": {"o": 2}}
+        run.units_clean()
+        assert siblings(dump) == [] and fmt.verify_dump(dump)["ok"]
+        assert_lock_free(dump + ".lock")
+        # nothing is blocked: the same dump loads into a fresh partition
+        tq.load_data_by_key(dump, partition_id="again")
+        got = tq.kv_batch_get(sel, "again")
+        for k, row in zip(sel, rows_of(got)):
+            for f, v in ref["rows"][k].items():
+                assert_same_value(v, row[f], f"again {k}.{f}")
+        assert_journals_final(run.cfg["state_dir"], dump)
+        return {"committed": bool(committed), "outcome": run.outcome,
+                "restarted": sorted(run.restarted), "cancel_needed": cancelled}
+    finally:
+        run.close()
+
+
+def client_lookup(keys) -> dict:
+    res = tq.get_client().controller.call("LOOKUP", {"partition_id": "p", "keys": list(keys)})
+    return dict(zip(keys, res["indexes"]))
