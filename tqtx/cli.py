@@ -204,7 +204,8 @@ def stats(address, as_json):
     render_stats(data)
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+              add_help_option=False)
 @click.pass_context
 def demo(ctx):
     """The main job: put, dump a subset, restart on another topology, restore, verify."""
@@ -212,7 +213,8 @@ def demo(ctx):
     sys.exit(demo_main(ctx.args))
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+              add_help_option=False)
 @click.pass_context
 def bench(ctx):
     """Dump/restore benchmark against the client-side path and the disk (see docs)."""
