@@ -16,6 +16,7 @@ from .dump.publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError
 from .journal.store import DumpJournal
 from .wire.codec import packb, unpackb
+from .wire.rpc import call_many, new_id
 
 FORMAT_VERSION = 1
 MANIFEST = "checkpoint_info.json"
@@ -131,7 +132,16 @@ def load(client, ckpt_dir: str) -> dict:
             per_unit[entry["unit"]] = {"path": path, "entries": entries}
         # The controller refuses while a restore is unresolved, before any unit is touched.
         client.controller.call("CHECKPOINT_SNAPSHOT", {})
-        client.fan_out("LOAD_CHECKPOINT", per_unit)
+        load_id = new_id()
+        for body in per_unit.values():
+            body["load_id"] = load_id
+        try:
+            client.fan_out("LOAD_CHECKPOINT", per_unit)  # every unit reads and stages
+        except BaseException:
+            call_many([(client.unit(u), "DROP_CHECKPOINT", {"load_id": load_id})
+                       for u in per_unit], raise_first=False, timeout=30)
+            raise
+        client.fan_out("APPLY_CHECKPOINT", {u: {"load_id": load_id} for u in per_unit})
         client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta})
     with open(os.path.join(ckpt_dir, "metadata.json")) as f:
         user = json.load(f)

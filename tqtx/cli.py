@@ -39,16 +39,17 @@ def serve(num_units, port, host, state_dir, insecure):
     from .deploy import LocalDeployment
     from .journal.store import default_state_dir
     env = {"TQTX_INSECURE": "1"} if insecure else {}
+    stop = threading.Event()
+    # handlers first: a SIGTERM right after the announcement must still stop gracefully
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
     dep = LocalDeployment(num_units=num_units, state_dir=state_dir or str(default_state_dir()),
                           host=host, port=port, env=env)
     click.echo(json.dumps({"address": dep.address, "num_units": num_units,
                            "state_dir": dep.state_dir, "pids": dep.pids}))
+    sys.stdout.flush()
     click.echo(f"tqtx serving at {dep.address}; attach with TQTX_ADDRESS={dep.address}",
                err=True)
-    sys.stdout.flush()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    signal.signal(signal.SIGINT, lambda *a: stop.set())
     while not stop.wait(0.5):
         for name, proc in dep.procs.items():
             if proc.poll() is not None:

@@ -233,12 +233,6 @@ def test_unit_count_mismatch(shared, tmp_path, tq_start):
     assert tq.kv_list() == {"q": {"b": {}}}
 
 
-@pytest.mark.xfail(reason="BUG: LOAD_CHECKPOINT replaces a unit's rows in place (no staging / "
-                          "commit step), so when one unit fails to load (here an injected "
-                          "fault; in practice a unit dying or an I/O error) the other units "
-                          "have already replaced their rows while the controller keeps the old "
-                          "metadata: a failed load_checkpoint leaves a mixed state "
-                          "(storage/unit.py load_checkpoint)", strict=True)
 def test_unit_failing_mid_load_leaves_state_alone(tq_start, tmp_path):
     """Runs last (own deployment): unit 1 fails every LOAD_CHECKPOINT."""
     tq_start(num_units=2, unit_env={1: {"TQTX_FAULTS": "unit.request.LOAD_CHECKPOINT:raise"}})

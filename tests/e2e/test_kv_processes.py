@@ -361,11 +361,6 @@ def test_serve_sigterm_stops_everything(tmp_path):
     assert wait_gone(pids, 5) == []
 
 
-@pytest.mark.xfail(reason="BUG: `tqtx serve` (cli.py serve) prints its readiness JSON line "
-                          "before installing its SIGTERM/SIGINT handlers, so a SIGTERM sent "
-                          "promptly after readiness kills it with the default action (exit "
-                          "-15, no graceful dep.stop()); here its stderr banner write is held up "
-                          "to make the window deterministic", strict=True)
 def test_serve_sigterm_right_after_announcement(tmp_path):
     import fcntl
     r, w = os.pipe()
@@ -404,12 +399,6 @@ def test_serve_sigterm_right_after_announcement(tmp_path):
 
 
 # ---------------------------------------------------------------- concurrency
-@pytest.mark.xfail(reason="BUG: controller ALLOC validates a new field's schema only against "
-                          "committed schemas; two concurrent puts introducing the same field "
-                          "with different dtypes both pass ALLOC and write their rows; the "
-                          "second COMMIT_PUT then raises ValueError after its keys were created "
-                          "and its rows written (controller/server.py alloc/commit_put)",
-                   strict=True)
 def test_concurrent_conflicting_dtype_puts_write_nothing_for_the_loser(tq_start):
     import torch
     # slow every PUT_ROWS down so both ALLOCs happen before either COMMIT_PUT

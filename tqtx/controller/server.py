@@ -166,6 +166,10 @@ class Controller:
         if new_keys and plan is not None:
             raise self._pending_error(plan, f"creating keys in partition {pid!r}")
         part = self.meta.partition(pid, create=True)
+        # Register new fields' schemas now, so a concurrent put of the same field with
+        # another dtype is refused here, before it writes anything.
+        for field, schema in schemas.items():
+            part.schema[field] = merge_schema(part.schema.get(field), schema)
         fresh_idx = self.meta.allocate(len(new_keys))
         for key, idx in zip(new_keys, fresh_idx):
             part.keys[key] = idx

@@ -36,6 +36,8 @@ class StorageUnit:
         self.dropped: set[str] = set()
         self.lock = threading.Lock()
         self.dump_jobs: dict[str, DumpJob] = {}
+        self.checkpoint_staged: tuple | None = None
+        self.applied_checkpoint: str | None = None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"unit{unit_id}-io")
         self.started = time.time()
         s = self.server
@@ -48,6 +50,8 @@ class StorageUnit:
             ("APPLY_STAGED", self.apply_staged, True), ("DROP_STAGED", self.drop_staged, True),
             ("SAVE_CHECKPOINT", self.save_checkpoint, True),
             ("LOAD_CHECKPOINT", self.load_checkpoint, True),
+            ("APPLY_CHECKPOINT", self.apply_checkpoint, True),
+            ("DROP_CHECKPOINT", self.drop_checkpoint, True),
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
             ("SHUTDOWN", self.shutdown, True),
         ]:
@@ -343,16 +347,37 @@ class StorageUnit:
                         for idx, row in batch:
                             rows[idx] = row
                             total += _row_nbytes(row)
-                self.rows = rows
-                self.bytes_held = total
-                with self.lock:
-                    self.staging.clear()
+                # Staged only: every unit must have read its file before any unit switches.
+                self.checkpoint_staged = (body["load_id"], rows, total)
                 deferred.reply({"rows": len(rows)})
             except BaseException as exc:
                 deferred.reply(error=exc)
 
+        self.checkpoint_staged = None
         self.pool.submit(work)
         return deferred
+
+    def apply_checkpoint(self, body, req):
+        """Switch to the staged checkpoint rows (idempotent for the same load_id)."""
+        staged = self.checkpoint_staged
+        if staged is None or staged[0] != body["load_id"]:
+            if self.applied_checkpoint == body["load_id"]:
+                return {"rows": len(self.rows)}
+            raise RuntimeError(f"unit {self.unit_id} has no staged checkpoint {body['load_id']}")
+        _, rows, total = staged
+        self.rows = rows
+        self.bytes_held = total
+        self.checkpoint_staged = None
+        self.applied_checkpoint = body["load_id"]
+        with self.lock:
+            self.staging.clear()
+        return {"rows": len(rows)}
+
+    def drop_checkpoint(self, body, req):
+        staged = self.checkpoint_staged
+        if staged is not None and staged[0] == body["load_id"]:
+            self.checkpoint_staged = None
+        return {"ok": True}
 
     def stats(self, body, req):
         """GET_STATS (alias STATS): rows/bytes held (running totals), staged restores, ops."""
