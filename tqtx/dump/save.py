@@ -153,55 +153,71 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
     desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", {"partition_id": pid, "keys": keys})
     rows = desc["rows"]
     with_data = [r for r in rows if r[2]]
-    with dump_lock(dump_dir):
-        recover_publications(dump_dir)
-        with DumpJournal(dump_dir) as journal:
-            check_no_reader(client, journal, dump_dir)
-            pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
-            started_units: list[int] = []
-            try:
-                shards_dir = pub.staging_dir / fmt.SHARDS_DIR
-                shards_dir.mkdir()
-                if via == "units":
-                    per_unit: dict[int, dict] = {}
-                    for key, idx, fields, tag in with_data:
-                        u = client.owner(idx)
-                        req = per_unit.get(u)
-                        if req is None:
-                            req = per_unit[u] = {
-                                "dump_id": dump_id, "unit_id": u, "rows": [],
-                                "path": str(pub.staging_dir / fmt.shard_file_name(u))}
-                        req["rows"].append([idx, fields])
-                    started_units = sorted(per_unit)
-                    written = _unit_write(client, handle, per_unit)
-                else:
-                    handle._snapshot.set()
-                    written = _client_write(client, pub.staging_dir, pid, keys, with_data)
-                faults.hit("client.dump.after_units_written")
-                shards, payload = [], 0
-                for u, reply in sorted(written.items()):
-                    index_entry = fmt.write_shard_index(pub.staging_dir, u, reply["entries"])
-                    shards.append({"unit": u, "file": fmt.shard_file_name(u),
-                                   "size": reply["bytes"], "records": len(reply["entries"]),
-                                   "index": index_entry})
-                    payload += reply["bytes"]
-                row_index = fmt.write_row_index(pub.staging_dir, partition_id=pid, dump_id=dump_id,
-                                                field_schema=desc["field_schema"], rows=rows)
-                fmt.write_manifest(pub.staging_dir, dump_id=dump_id, partition_id=pid,
-                                   keys=len(rows), rows_with_data=len(with_data), bytes=payload,
-                                   row_index=row_index, shards=shards, writer=via,
-                                   tqtx_version=__version__)
-                if handle._cancel.is_set():
-                    raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
-                pub.mark_written()
-                total = pub.commit()
-            except BaseException as exc:
-                if started_units:
-                    call_many([(client.unit(u), "DUMP_CANCEL", {"dump_id": dump_id})
-                               for u in started_units], raise_first=False, timeout=30)
-                pub.abort(f"{type(exc).__name__}: {exc}")
-                log.error("dump %s: to %s failed: %s", dump_id, dump_dir, exc)
-                raise
+    per_unit: dict[int, dict] = {}
+    if via == "units":
+        for key, idx, fields, tag in with_data:
+            u = client.owner(idx)
+            req = per_unit.get(u)
+            if req is None:
+                req = per_unit[u] = {"dump_id": dump_id, "unit_id": u, "rows": []}
+            req["rows"].append([idx, fields])
+    snapshotted = False
+    try:
+        if handle.background and per_unit:
+            # The caller gets control back once every owner unit holds its snapshot; the
+            # lock, the staging directory and the writing all happen after that.
+            client.fan_out("DUMP_SNAPSHOT", per_unit)
+            snapshotted = True
+            handle._on_cancel = lambda: _cancel_units(client, dump_id, per_unit)
+        handle._snapshot.set()
+        faults.hit("client.dump.after_snapshot")
+        with dump_lock(dump_dir):
+            if handle._cancel.is_set():
+                raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
+            recover_publications(dump_dir)
+            with DumpJournal(dump_dir) as journal:
+                check_no_reader(client, journal, dump_dir)
+                pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
+                try:
+                    (pub.staging_dir / fmt.SHARDS_DIR).mkdir()
+                    if via == "units":
+                        for u, req in per_unit.items():
+                            req["path"] = str(pub.staging_dir / fmt.shard_file_name(u))
+                        written = _unit_write(client, handle, per_unit, snapshotted)
+                        snapshotted = False  # the units' jobs end (and release) by themselves
+                    else:
+                        written = _client_write(client, pub.staging_dir, pid, keys, with_data)
+                    faults.hit("client.dump.after_units_written")
+                    shards, payload = [], 0
+                    for u, reply in sorted(written.items()):
+                        index_entry = fmt.write_shard_index(pub.staging_dir, u, reply["entries"])
+                        shards.append({"unit": u, "file": fmt.shard_file_name(u),
+                                       "size": reply["bytes"], "records": len(reply["entries"]),
+                                       "index": index_entry})
+                        payload += reply["bytes"]
+                    row_index = fmt.write_row_index(pub.staging_dir, partition_id=pid,
+                                                    dump_id=dump_id,
+                                                    field_schema=desc["field_schema"], rows=rows)
+                    fmt.write_manifest(pub.staging_dir, dump_id=dump_id, partition_id=pid,
+                                       keys=len(rows), rows_with_data=len(with_data),
+                                       bytes=payload, row_index=row_index, shards=shards,
+                                       writer=via, tqtx_version=__version__)
+                    if handle._cancel.is_set():
+                        raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
+                    pub.mark_written()
+                    total = pub.commit()
+                except BaseException as exc:
+                    if per_unit:
+                        _cancel_units(client, dump_id, per_unit)
+                    pub.abort(f"{type(exc).__name__}: {exc}")
+                    raise
+    except BaseException as exc:
+        if snapshotted:
+            _cancel_units(client, dump_id, per_unit)  # release the snapshots
+        log.error("dump %s: to %s failed: %s", dump_id, dump_dir, exc)
+        if handle._cancel.is_set() and not isinstance(exc, DumpCancelled):
+            raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled") from exc
+        raise
     report = {"keys": len(rows), "rows_with_data": len(with_data), "shards": len(shards),
               "bytes": total, "dump_id": dump_id, "seconds": time.perf_counter() - t0,
               "dump_dir": dump_dir, "partition_id": pid, "via": via}
@@ -217,27 +233,26 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
     return report
 
 
-def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict]) -> dict:
-    """Owner units snapshot and write their rows in parallel; payload never reaches us."""
-    if not per_unit:
-        handle._snapshot.set()
-        return {}
-    if handle.background:  # return to the caller as soon as every unit holds its snapshot
-        client.fan_out("DUMP_SNAPSHOT", per_unit)
+def _cancel_units(client, dump_id: str, per_unit: dict) -> None:
+    call_many([(client.unit(u), "DUMP_CANCEL", {"dump_id": dump_id}) for u in per_unit],
+              raise_first=False, timeout=30)
 
-        def cancel_units():
-            call_many([(client.unit(u), "DUMP_CANCEL", {"dump_id": handle.dump_id})
-                       for u in per_unit], raise_first=False, timeout=30)
-        handle._on_cancel = cancel_units
-        handle._snapshot.set()
-        faults.hit("client.dump.after_snapshot")
-        result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id} for u in per_unit})
+
+def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict], snapshotted: bool) -> dict:
+    """Owner units write their rows in parallel; payload never reaches us.
+
+    Blocking dumps snapshot and write in one round trip (DUMP_ROWS); background dumps
+    already hold their snapshots and start writing with DUMP_WAIT.
+    """
+    if not per_unit:
+        return {}
+    if snapshotted:
+        result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id, "path": r["path"]}
+                                              for u, r in per_unit.items()})
         if handle._cancel.is_set():
             raise DumpCancelled(f"dump {handle.dump_id} to {handle.dump_dir} was cancelled")
         return result
-    result = client.fan_out("DUMP_ROWS", per_unit)
-    handle._snapshot.set()
-    return result
+    return client.fan_out("DUMP_ROWS", per_unit)
 
 
 def _client_write(client, staging_dir, pid: str, keys: list[str], with_data: list) -> dict:

@@ -141,11 +141,16 @@ class StorageUnit:
             if row is None:
                 raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
             snapshot.append((idx, {f: row[f] for f in fields}))
-        job = DumpJob(body["dump_id"], body["path"], snapshot, self.unit_id)
+        job = DumpJob(body["dump_id"], body.get("path"), snapshot, self.unit_id)
         self.dump_jobs[job.dump_id] = job
         job.future.add_done_callback(lambda _f: self._account_dump(job))
-        self.pool.submit(job.run)
+        if job.path is not None:
+            self._write(job)
         return job
+
+    def _write(self, job: "DumpJob") -> None:
+        job.started = True
+        self.pool.submit(job.run)
 
     def _account_dump(self, job: "DumpJob") -> None:
         m = self.metrics
@@ -174,19 +179,26 @@ class StorageUnit:
         return self._reply_when_done(self._start_dump(body), req)
 
     def dump_snapshot(self, body, req):
-        """Snapshot and start writing in the background; reply at once."""
+        """Snapshot now and reply at once; without a ``path`` the write waits for DUMP_WAIT."""
         job = self._start_dump(body)
         return {"rows": len(job.snapshot)}
 
     def dump_wait(self, body, req):
+        """Reply when the shard is written (starting the write at ``path`` if not begun)."""
         job = self.dump_jobs.get(body["dump_id"])
         if job is None:
             raise RuntimeError(f"unit {self.unit_id} has no dump {body['dump_id']} running")
+        if not job.started:
+            job.path = body["path"]
+            self._write(job)
         return self._reply_when_done(job, req)
 
     def dump_cancel(self, body, req):
         job = self.dump_jobs.get(body["dump_id"])
-        if job is not None:
+        if job is not None and not job.started:
+            self.dump_jobs.pop(job.dump_id, None)  # the snapshot is simply released
+            job.snapshot = []
+        elif job is not None:
             job.cancelled.set()
             log.info("dump %s: unit %d cancelling its shard write", job.dump_id, self.unit_id)
         return {"cancelled": job is not None}
@@ -406,6 +418,7 @@ class DumpJob:
     def __init__(self, dump_id: str, path: str, snapshot: list, unit_id: int):
         self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
         self.future: Future = Future()
+        self.started = False
         self.cancelled = threading.Event()
         self.result: dict | None = None
         self.error: BaseException | None = None
