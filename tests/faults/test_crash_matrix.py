@@ -71,15 +71,36 @@ FAST_RESTORE = ["client.restore.after_begin", "unit.load.after_read_batch",
                 "client.restore.before_finish", "client.restore.after_finish"]
 
 
+LOST_CLAIM_BUG = pytest.mark.xfail(
+    reason="BUG: StorageUnit._load_job sets claimed=True only after the claim call returns; "
+           "when the claim reply is lost the unit gives up (60 s) without reporting 'failed', "
+           "the claim stays 'claimed' forever and recover_data_load can only cancel",
+    strict=True)
+HALF_APPLIED_BUG = pytest.mark.xfail(
+    reason="BUG: Controller._commit treats any APPLY_STAGED error/timeout as a dead unit "
+           "(fail_unit) and publishes the metadata anyway; a live unit that did not apply "
+           "keeps its staged rows and the committed keys it owns have no data", strict=True)
+COMMITTING_STUCK_BUG = pytest.mark.xfail(
+    reason="BUG: a restore left 'committing' with some units 'applied' cannot be settled: "
+           "load._settle and Controller.finish_restore only roll forward when every unit is "
+           "'staged', otherwise they ask for committing -> aborted (IllegalTransition)",
+    strict=True)
+KNOWN = {("controller.reply.RESTORE_UNIT", "drop-reply"): [LOST_CLAIM_BUG,
+                                                          pytest.mark.timeout(240)],
+         ("unit.request.APPLY_STAGED", "raise"): [HALF_APPLIED_BUG],
+         ("unit.request.APPLY_STAGED", "drop-reply"): [HALF_APPLIED_BUG],
+         ("controller.restore.after_apply", "raise"): [COMMITTING_STUCK_BUG],
+         ("controller.restore.after_publish", "raise"): [COMMITTING_STUCK_BUG]}
+
+
 def _cases(points: dict, fast: list[str]):
     out = []
     for point, actions in points.items():
         for action in actions:
-            if action == "kill" and point in fast:
-                out.append(pytest.param(point, action, id=f"{point}:{action}"))
-            else:
-                out.append(pytest.param(point, action, id=f"{point}:{action}",
-                                        marks=pytest.mark.slow))
+            marks = list(KNOWN.get((point, action), []))
+            if not (action == "kill" and point in fast):
+                marks.append(pytest.mark.slow)
+            out.append(pytest.param(point, action, id=f"{point}:{action}", marks=marks))
     return out
 
 
@@ -135,24 +156,5 @@ def test_deferred_reply_points_fire(tmp_path, clean_api, ref_dump):
     try:
         run.run_op(lambda: tq.load_data_by_key(dump), ["load", dump])
         assert "unit 1" in run.dead(), run.outcome
-    finally:
-        run.close()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-@pytest.mark.xfail(reason="BUG: StorageUnit._load_job sets claimed=True only after the claim "
-                          "call returns; when the claim reply is lost the unit gives up without "
-                          "reporting 'failed', the claim stays 'claimed' forever and "
-                          "recover_data_load can only cancel", strict=True)
-def test_lost_claim_reply_is_settled_without_cancel(tmp_path, clean_api, ref_dump):
-    run = Run(tmp_path, "controller.reply.RESTORE_UNIT", "drop-reply", 1)
-    from crash import _copy_dump
-    dump = _copy_dump(ref_dump["path"], tmp_path / "dump")
-    run.start()
-    try:
-        run.run_op(lambda: tq.load_data_by_key(dump), ["load", dump])
-        time.sleep(70)  # the unit's controller peer times out after 60 s
-        assert tq.recover_data_load(dump) in (True, False)
     finally:
         run.close()

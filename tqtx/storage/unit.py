@@ -198,6 +198,7 @@ class StorageUnit:
         if job is not None and not job.started:
             self.dump_jobs.pop(job.dump_id, None)  # the snapshot is simply released
             job.snapshot = []
+            log.info("dump %s: unit %d cancelled before writing", job.dump_id, self.unit_id)
         elif job is not None:
             job.cancelled.set()
             log.info("dump %s: unit %d cancelling its shard write", job.dump_id, self.unit_id)
