@@ -71,26 +71,9 @@ FAST_RESTORE = ["client.restore.after_begin", "unit.load.after_read_batch",
                 "client.restore.before_finish", "client.restore.after_finish"]
 
 
-LOST_CLAIM_BUG = pytest.mark.xfail(
-    reason="BUG: StorageUnit._load_job sets claimed=True only after the claim call returns; "
-           "when the claim reply is lost the unit gives up (60 s) without reporting 'failed', "
-           "the claim stays 'claimed' forever and recover_data_load can only cancel",
-    strict=True)
-HALF_APPLIED_BUG = pytest.mark.xfail(
-    reason="BUG: Controller._commit treats any APPLY_STAGED error/timeout as a dead unit "
-           "(fail_unit) and publishes the metadata anyway; a live unit that did not apply "
-           "keeps its staged rows and the committed keys it owns have no data", strict=True)
-COMMITTING_STUCK_BUG = pytest.mark.xfail(
-    reason="BUG: a restore left 'committing' with some units 'applied' cannot be settled: "
-           "load._settle and Controller.finish_restore only roll forward when every unit is "
-           "'staged', otherwise they ask for committing -> aborted (IllegalTransition)",
-    strict=True)
-KNOWN = {("controller.reply.RESTORE_UNIT", "drop-reply"): [LOST_CLAIM_BUG,
-                                                          pytest.mark.timeout(240)],
-         ("unit.request.APPLY_STAGED", "raise"): [HALF_APPLIED_BUG],
-         ("unit.request.APPLY_STAGED", "drop-reply"): [HALF_APPLIED_BUG],
-         ("controller.restore.after_apply", "raise"): [COMMITTING_STUCK_BUG],
-         ("controller.restore.after_publish", "raise"): [COMMITTING_STUCK_BUG]}
+# (point, action) -> extra marks; empty now that the bugs this matrix found are fixed:
+# lost claim reply, half-applied commit, stuck committing restore, deferred reply points.
+KNOWN: dict = {}
 
 
 def _cases(points: dict, fast: list[str]):
@@ -145,9 +128,6 @@ def test_restore_crash(tmp_path, clean_api, ref_dump, point, action):
 
 
 # --------------------------------------------------------------------------- known gaps
-@pytest.mark.xfail(reason="BUG: rpc.Server._handle returns before faults.hit('<role>.reply.<OP>') "
-                          "when a handler defers its reply (LOAD_ROWS, DUMP_ROWS, DUMP_WAIT, "
-                          "SAVE/LOAD_CHECKPOINT), so those reply points never fire", strict=True)
 def test_deferred_reply_points_fire(tmp_path, clean_api, ref_dump):
     run = Run(tmp_path, "unit.reply.LOAD_ROWS", "kill", 1)
     from crash import _copy_dump

@@ -163,9 +163,6 @@ def test_dump_io_error_at_every_position(dep, io, tmp_path, op):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(reason="BUG: tqtx.dump.publish.fsync_dir swallows every OSError of "
-                          "os.fsync on a directory (EIO/ENOSPC included), so a dump whose "
-                          "directory fsync failed is reported published", strict=True)
 def test_dump_directory_fsync_error_fails_the_dump(dep, io, tmp_path):
     problems, positions, counts = _dump_matrix(dep, io, tmp_path, ["fsync-dir"], ["EIO"],
                                                ["once"])

@@ -194,11 +194,6 @@ def test_journal_appended_is_harmless(base_dump):
     assert _attempt(base_dump, JOURNAL, "delete", 0.0, b"") == "loaded"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a damaged <dump>.journal.sqlite surfaces as a bare sqlalchemy DatabaseError "
-    "('database disk image is malformed' / 'file is not a database') that does not name "
-    "the journal file: DumpJournal._open (tqtx/journal/store.py) does not wrap open/migrate "
-    "errors in a DumpFormatError naming the path"))
 def test_damaged_journal_error_names_the_file(base_dump):
     dump = _copy(base_dump)
     try:

@@ -12,7 +12,7 @@ import time
 from .. import __version__, faults
 from ..errors import KeysNotFoundError, RestorePendingError, StateDirInUseError
 from ..journal.store import ControllerJournal, IllegalTransition
-from ..wire.rpc import Peer, Server, call_many
+from ..wire.rpc import Peer, Server, call_many, new_id
 from .metadata import Metadata, check_schema_compatible, merge_schema
 
 log = logging.getLogger("tqtx.controller")
@@ -39,6 +39,7 @@ class RestorePlan:
         self.field_schema = field_schema
         self.units = units
         self.new_indexes = new_indexes
+        self.apply_rids: dict[int, str] = {}
 
 
 def acquire_state_dir(state_dir: str):
@@ -372,6 +373,13 @@ class Controller:
         if rec["state"] in FINAL:
             return self._outcome(rec)
         plan = self.restores.get(rid)
+        if rec["state"] == "committing":
+            # The decision is journaled: whatever was asked, the only way is forward.
+            if plan is None:
+                raise RuntimeError(f"restore {rid} is committing but this controller has no "
+                                   f"plan for it")
+            self._commit(plan)
+            return self._outcome(self.journal.get_restore(rid))
         commit = bool(body.get("commit"))
         if commit:
             states = {u["unit_id"]: u["state"] for u in rec["units"]}
@@ -398,20 +406,54 @@ class Controller:
                 "rows": rec["rows"], "bytes": rec["bytes"]}
 
     def _commit(self, plan: RestorePlan) -> None:
+        """Roll a restore forward: decision, then every unit applies, then metadata.
+
+        Once decided, a commit only moves forward. An apply that fails or gets no reply is
+        retried with the same request ID (so a unit applies once); if a unit still has not
+        applied, the restore stays ``committing`` with metadata unpublished, and the next
+        FINISH_RESTORE (``recover_data_load``) continues from the journal.
+        """
         rid = plan.restore_id
         self.journal.decide_commit(rid)
         log.info("restore %s: commit decided", rid)
         faults.hit("controller.restore.after_commit_decision")
-        calls = [(self.unit_peers[u], "APPLY_STAGED", {"restore_id": rid}) for u in plan.units]
-        results = call_many(calls, raise_first=False, timeout=30)
-        for u, res in zip(plan.units, results):
-            if isinstance(res, BaseException):
-                # The decision is final: a unit that cannot apply has lost its memory (died).
-                log.error("restore %s: unit %d could not apply: %s", rid, u, res)
-                self.journal.fail_unit(rid, u, f"apply failed after commit: {res}")
-                continue
-            self.journal.apply_unit(rid, u)
-            faults.hit("controller.restore.after_apply")
+        rec = self.journal.get_restore(rid)
+        todo = [u["unit_id"] for u in rec["units"] if u["state"] == "staged"]
+        last_error: dict[int, BaseException] = {}
+        for _attempt in range(3):
+            if not todo:
+                break
+            live = [u for u in todo if u in self.unit_peers]
+            calls = [(self.unit_peers[u], "APPLY_STAGED", {"restore_id": rid},
+                      plan.apply_rids.setdefault(u, new_id())) for u in live]
+            results = call_many(calls, raise_first=False, timeout=10)
+            retry = [u for u in todo if u not in self.unit_peers]
+            for uid, res in zip(live, results):
+                if isinstance(res, BaseException):
+                    last_error[uid] = res
+                    retry.append(uid)
+                elif res.get("lost"):
+                    # The unit restarted after staging: its memory (staged rows and every
+                    # other row it held) is gone. Nothing of this restore can land there.
+                    log.error("restore %s: unit %d lost its staged rows (restarted)", rid, uid)
+                    self.journal.fail_unit(rid, uid, "unit restarted after staging; its rows "
+                                                     "are lost")
+                else:
+                    self.journal.apply_unit(rid, uid)
+                    faults.hit("controller.restore.after_apply")
+            todo = retry
+        if todo:
+            rec = self.journal.get_restore(rid)
+            units = {u["unit_id"]: u["state"] for u in rec["units"]}
+            detail = "; ".join(f"unit {u}: {last_error.get(u, 'not registered')}" for u in todo)
+            log.error("restore %s: commit decided but units %s have not applied: %s", rid, todo,
+                      detail)
+            raise RestorePendingError(
+                f"restore {rid}: the commit is decided but unit(s) {todo} have not applied "
+                f"their staged rows yet ({detail}); the restore stays unresolved and "
+                f"tqtx.recover_data_load({plan.dump_dir!r}) rolls it forward",
+                restore_id=rid, dump_dir=plan.dump_dir, reason="apply_pending", units=units,
+                partition_id=plan.partition_id)
         part = self.meta.partition(plan.partition_id, create=True)
         for field, schema in plan.field_schema.items():
             part.schema[field] = merge_schema(part.schema.get(field), schema)

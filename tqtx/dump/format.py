@@ -16,6 +16,7 @@ This module is torch-free: it runs inside storage-unit processes.
 """
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -597,12 +598,27 @@ def validate_row(row: dict, schema: dict, *, where: str) -> None:
 
 # --------------------------------------------------------------------------- writing indexes
 
-def _fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+# Filesystems that cannot fsync a directory say so with these; any other error is real.
+_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def fsync_dir(path) -> None:
+    """fsync a directory so creations and renames inside it are durable.
+
+    Only "not supported on this filesystem" is tolerated; EIO, ENOSPC and the rest raise,
+    and an fsync error is never retried into success.
+    """
+    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
+
+
+_fsync_dir = fsync_dir
 
 
 def _write_file(path: Path, data: bytes) -> None:

@@ -267,7 +267,11 @@ def _settle(client, dump_dir: str, rid: str, row: dict | None, cancel: bool) -> 
             return False
         raise _pending({"restore_id": rid, "dump_dir": dump_dir,
                         "partition_id": (row or {}).get("partition_id")}, "unknown_restore")
-    if rec["state"] not in FINAL:
+    if rec["state"] == "committing":
+        # decided: roll forward whatever was asked (the controller refuses anything else)
+        out = _finish(client, rid, commit=True, dump_dir=dump_dir)
+        rec = {**rec, "state": out["outcome"]}
+    elif rec["state"] not in FINAL:
         states = {u["unit_id"]: u["state"] for u in rec["units"]}
         if cancel:
             out = _finish(client, rid, commit=False, cancel=True, reason="cancelled by "

@@ -18,6 +18,7 @@ from filelock import FileLock
 
 from .. import faults
 from ..journal.store import DumpJournal, dump_journal_path
+from .format import fsync_dir
 
 __all__ = [
     "Publication", "dump_lock", "fsync_dir", "fsync_file", "lock_path", "old_path",
@@ -69,15 +70,6 @@ def fsync_file(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so renames/creations inside it are durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; nothing more we can do
-        pass
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(root: Path) -> int:
@@ -123,11 +115,18 @@ class Publication:
         self.attempt_id = uuid.uuid4().hex[:12]
         self.staging_dir = staging_path(self.dump_dir, self.attempt_id)
         self.old_dir = old_path(self.dump_dir)
-        self.staging_dir.mkdir(parents=True)
-        fsync_dir(self.staging_dir.parent)
+        # Journal the attempt before its staging dir exists, so every failure (even of
+        # the mkdir) is recorded and recovery knows which directory to remove.
         journal.begin_publication(attempt_id=self.attempt_id, kind=kind, dump_id=dump_id,
                                   staging_dir=self.staging_dir)
         self.phase = "staging"
+        try:
+            self.staging_dir.mkdir(parents=True)
+            fsync_dir(self.staging_dir.parent)
+        except BaseException as exc:
+            _rmtree(self.staging_dir)
+            self._set("failed", f"{type(exc).__name__}: {exc}")
+            raise
         faults.hit("publish.after_staging")
 
     def _set(self, phase: str, error: str | None = None) -> None:
@@ -159,13 +158,21 @@ class Publication:
         faults.hit("publish.after_old_moved")
 
         os.rename(self.staging_dir, self.dump_dir)
-        fsync_dir(parent)
+        try:
+            fsync_dir(parent)  # the point of no return: the swap is durable
+        except OSError:
+            # Not durable: undo the swap, so the error we raise leaves the old dump in place.
+            os.rename(self.dump_dir, self.staging_dir)
+            if self.old_dir.exists():
+                os.rename(self.old_dir, self.dump_dir)
+            raise
         self._set("published")
         faults.hit("publish.after_published")
 
+        # No fsync after deleting .old: a leftover .old beside a published dump is garbage
+        # that recovery deletes, so the deletion need not be durable.
         if self.old_dir.exists():
             _rmtree(self.old_dir)
-            fsync_dir(parent)
         self._set("cleaned")
         faults.hit("publish.after_cleaned")
         return size
@@ -182,7 +189,6 @@ class Publication:
             # The new dump is already in place: the only safe direction is forward.
             if self.old_dir.exists():
                 _rmtree(self.old_dir)
-                fsync_dir(self.dump_dir.parent)
             self._set("cleaned", error)
             return
         if _settle(self.dump_dir, self.staging_dir, phase, forward=False) == "forward":

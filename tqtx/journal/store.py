@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from filelock import FileLock
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
@@ -250,7 +250,17 @@ class _Journal:
         self.path = path
         self._engine = make_engine(path, wal=self._wal)
         if migrate:
-            upgrade_engine(self._engine, path, self._chain)
+            try:
+                upgrade_engine(self._engine, path, self._chain)
+            except DatabaseError as exc:
+                self._engine.dispose()
+                raise self._damaged(f"{path}: damaged {self._chain} journal "
+                                    f"({exc.orig if hasattr(exc, 'orig') else exc}); move it "
+                                    f"aside to start a new one") from None
+
+    @staticmethod
+    def _damaged(message: str) -> Exception:
+        return RuntimeError(message)
 
     @property
     def engine(self) -> Engine:
@@ -555,6 +565,11 @@ class DumpJournal(_Journal):
 
     _chain = DUMP
     _wal = False  # rollback journal: WAL needs shared memory, unusable on network filesystems
+
+    @staticmethod
+    def _damaged(message: str) -> Exception:
+        from ..errors import DumpFormatError
+        return DumpFormatError(message)
 
     def __init__(self, dump_dir: str | os.PathLike, *, migrate: bool = True):
         self.dump_dir = Path(os.path.abspath(os.fspath(dump_dir)))

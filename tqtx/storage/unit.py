@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
 from ..dump import format as fmt
-from ..wire.rpc import Peer, Server
+from ..errors import PeerTimeoutError
+from ..wire.rpc import Peer, Server, new_id
 from ..wire.values import value_nbytes
 
 log = logging.getLogger("tqtx.unit")
@@ -218,9 +219,8 @@ class StorageUnit:
         staged: dict[int, tuple[bool, dict]] = {}
         claimed = False
         try:
-            peer.call("RESTORE_UNIT", {"restore_id": rid, "unit_id": self.unit_id,
-                                       "action": "claim"})
-            claimed = True
+            claimed = True  # from here on the controller may have journaled our claim
+            self._report(peer, {"restore_id": rid, "unit_id": self.unit_id, "action": "claim"})
             log.info("restore %s: unit %d claimed %d rows", rid, self.unit_id, len(body["items"]))
             faults.hit("unit.load.after_claim")
             schema = body["field_schema"]
@@ -251,9 +251,8 @@ class StorageUnit:
                 self.staging[rid] = staged
             faults.hit("unit.load.after_stage")
             try:
-                peer.call("RESTORE_UNIT", {"restore_id": rid, "unit_id": self.unit_id,
-                                           "action": "staged", "rows": len(staged),
-                                           "bytes": nbytes})
+                self._report(peer, {"restore_id": rid, "unit_id": self.unit_id,
+                                    "action": "staged", "rows": len(staged), "bytes": nbytes})
             except BaseException:
                 with self.lock:
                     self.staging.pop(rid, None)
@@ -274,14 +273,28 @@ class StorageUnit:
             staged.clear()
             if claimed:
                 try:
-                    peer.call("RESTORE_UNIT", {"restore_id": rid, "unit_id": self.unit_id,
-                                               "action": "failed", "error": str(exc)}, timeout=30)
+                    self._report(peer, {"restore_id": rid, "unit_id": self.unit_id,
+                                        "action": "failed", "error": str(exc)})
                 except Exception as report_exc:
                     log.error("restore %s: unit %d could not report its failure: %s", rid,
                               self.unit_id, report_exc)
             deferred.reply(error=exc)
         finally:
             peer.close()
+
+    @staticmethod
+    def _report(peer: Peer, body: dict, attempts: int = 3, timeout: float = 15.0):
+        """RESTORE_UNIT to the controller; a lost reply is retried with the same request ID,
+        which the controller answers from its record instead of acting twice."""
+        rid = new_id()
+        for attempt in range(attempts):
+            try:
+                return peer.call("RESTORE_UNIT", body, rid=rid, timeout=timeout)
+            except PeerTimeoutError:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("restore %s: unit %s: no reply to RESTORE_UNIT %s; retrying",
+                            body["restore_id"], body["unit_id"], body["action"])
 
     def apply_staged(self, body, req):
         """Make a committed restore's staged rows live (idempotent)."""
@@ -292,7 +305,9 @@ class StorageUnit:
         with self.lock:
             staged = self.staging.pop(rid, None)
         if staged is None:
-            raise RuntimeError(f"unit {self.unit_id} has no staged rows for restore {rid}")
+            # Neither staged nor applied here: this unit restarted after staging.
+            log.error("restore %s: unit %d has no staged rows to apply", rid, self.unit_id)
+            return {"rows": 0, "lost": True}
         rows = self.rows
         added = 0
         # A restored row's fields share one buffer: that row's own record, nothing more.

@@ -250,6 +250,15 @@ class Server:
                     ident, rid, op, cache, result, error, timing = self._posted.get_nowait()
                 except queue.Empty:
                     break
+                if error is None:
+                    try:
+                        faults.hit(f"{self.name.split('-')[0]}.reply.{op}")
+                    except faults.DropReply as exc:
+                        if cache and rid:  # the outcome is recorded; only this reply is lost
+                            self._cache[rid] = self._reply_frames(rid, result, None)
+                        error = exc
+                    except Exception as exc:
+                        result, error = None, exc
                 if isinstance(error, faults.DropReply):
                     self._pending.pop(rid, None)
                     if timing is not None:
@@ -355,7 +364,7 @@ class Peer:
         return self.receive(rid, op, time.monotonic() + timeout)
 
 
-def call_many(calls: list[tuple[Peer, str, dict]], *, timeout: float | None = None,
+def call_many(calls: list[tuple], *, timeout: float | None = None,
               raise_first: bool = True) -> list:
     """Send every request at once, then wait for all replies (one round trip per peer).
 
@@ -364,8 +373,10 @@ def call_many(calls: list[tuple[Peer, str, dict]], *, timeout: float | None = No
     returned in place of results.
     """
     sent = []
-    for peer, op, body in calls:
-        sent.append((peer, op, peer.send(op, body)))
+    for call in calls:
+        peer, op, body = call[:3]
+        rid = call[3] if len(call) > 3 else None  # a fixed ID makes a retry idempotent
+        sent.append((peer, op, peer.send(op, body, rid)))
     results: list = []
     start = time.monotonic()
     for peer, op, rid in sent:
