@@ -4,6 +4,7 @@ from __future__ import annotations
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..dump.publish import dump_lock, recover_publications
+from ..errors import DumpFormatError
 from .store import RESTART_REASON, ControllerJournal, DumpJournal, dump_journal_path
 
 __all__ = ["recover_controller_journal", "recover_publications"]
@@ -44,7 +45,7 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
                         dumps_done.add(dump_dir)
                         for a in recover_publications(dump_dir, dj):
                             act(a["kind"], a["target"], a["action"], a["detail"])
-            except (OSError, SQLAlchemyError) as exc:
+            except (OSError, SQLAlchemyError, DumpFormatError) as exc:
                 # An unreachable dump (unmounted, permissions) must not stop the controller
                 # from starting; the dump is recovered by the next writer or by hand.
                 act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")

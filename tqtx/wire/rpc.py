@@ -169,9 +169,9 @@ class Server:
             self._cache[rid] = frames
             while len(self._cache) > _REPLY_CACHE_SIZE:
                 self._cache.popitem(last=False)
-        self._send(ident, frames)
-        if timing is not None:
+        if timing is not None:  # recorded before the reply leaves: a caller sees its own request
             self._record(timing, frames, error is not None)
+        self._send(ident, frames)
 
     def _record(self, timing: list, frames, error: bool) -> None:
         """Count one request: receive-to-reply time, request and reply frame bytes."""
