@@ -5,7 +5,6 @@ import json
 import os
 import struct
 import time
-import zlib
 from pathlib import Path
 
 import pytest

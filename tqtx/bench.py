@@ -14,14 +14,12 @@ import argparse
 import contextlib
 import glob
 import json
-import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 MiB = 2**20
 CHUNK = 8 * MiB
@@ -588,12 +586,8 @@ def _tables(results, con):
 # ---------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
-    warnings.filterwarnings("ignore")
-    import torch  # noqa: F401
-
-    for name in ("torch", "torch.fx", "torch.fx._symbolic_trace"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    from .demo import quiet_console
+    quiet_console()
     from rich.console import Console
 
     import tqtx as tq

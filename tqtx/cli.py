@@ -115,12 +115,17 @@ def keys_init(state_dir, force):
 
 
 # ---------------------------------------------------------------- dumps
-def _dump_error(exc, as_json):
-    if as_json:
-        click.echo(json.dumps({"ok": False, "error": str(exc)}))
-    else:
-        click.echo(f"error: {exc}", err=True)
-    sys.exit(1)
+def _read_dump(reader, dump_dir, as_json):
+    """Run ``reader(dump_dir)``; an unreadable dump prints the error and exits 1."""
+    from .errors import DumpFormatError
+    try:
+        return reader(dump_dir)
+    except (DumpFormatError, OSError) as exc:
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": str(exc)}))
+        else:
+            click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
 
 
 @main.command()
@@ -129,11 +134,7 @@ def _dump_error(exc, as_json):
 def inspect(dump_dir, as_json):
     """Summarize a dump: partition, keys, fields, shards, sample tags (reads no payload)."""
     from .dump.format import inspect_dump
-    from .errors import DumpFormatError
-    try:
-        info = inspect_dump(dump_dir)
-    except (DumpFormatError, OSError) as exc:
-        _dump_error(exc, as_json)
+    info = _read_dump(inspect_dump, dump_dir, as_json)
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
@@ -164,11 +165,7 @@ def inspect(dump_dir, as_json):
 def verify(dump_dir, as_json):
     """Check every record's range and checksum; exit 1 naming the failing file/row."""
     from .dump.format import verify_dump
-    from .errors import DumpFormatError
-    try:
-        report = verify_dump(dump_dir)
-    except (DumpFormatError, OSError) as exc:
-        _dump_error(exc, as_json)
+    report = _read_dump(verify_dump, dump_dir, as_json)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:

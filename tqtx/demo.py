@@ -193,9 +193,8 @@ def verify(buf: dict, keep: list[int], got, listed: dict, finished: list[int],
     return checks
 
 
-# ---------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+def quiet_console() -> None:
+    """Keep warnings and torch's log lines off a command's console output."""
     os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
     warnings.filterwarnings("ignore")
     import logging
@@ -204,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in ("torch", "torch.fx", "torch.fx._symbolic_trace"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    quiet_console()
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -257,7 +262,7 @@ def _run(args, con, Progress, BarColumn, TextColumn, TimeElapsedColumn, Table) -
             buf["tags"][i] = {**buf["tags"][i], "status": "finished"}
 
         step(f"starting {args.units_before} units")
-        cfg = tq.init({"num_units": args.units_before, "state_dir": state_before})
+        tq.init({"num_units": args.units_before, "state_dir": state_before})
         batch = 256
         t0 = time.perf_counter()
         with progress() as prog:
@@ -287,7 +292,7 @@ def _run(args, con, Progress, BarColumn, TextColumn, TimeElapsedColumn, Table) -
         tq.close()
 
         step(f"restarting with {args.units_after} units on a fresh state dir")
-        cfg = tq.init({"num_units": args.units_after, "state_dir": state_after})
+        tq.init({"num_units": args.units_after, "state_dir": state_after})
         with con.status("  load_data_by_key ..."):
             restore = tq.load_data_by_key(dump_dir)
 

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
@@ -135,7 +133,6 @@ def _corrupt_cases(dump):
         m = json.loads(manifest.read_text())
         for s in m["shards"]:
             if s["index"]["file"].endswith(index.name):
-                import zlib
                 s["index"]["size"], s["index"]["crc32"] = len(raw), fmt.checksum(raw)
         manifest.write_text(json.dumps(m))
         return shard.name

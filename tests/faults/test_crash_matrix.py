@@ -6,9 +6,6 @@ subset, one point per lifecycle step with ``kill``, runs in the default suite.
 """
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
 import tqtx as tq

@@ -12,7 +12,6 @@ import threading
 import time
 
 from .. import __version__, faults
-from ..errors import RestorePendingError
 from ..journal.store import DumpJournal
 from ..wire.rpc import call_many, new_id
 from . import format as fmt

@@ -53,7 +53,6 @@ def decode(frames: list):
     """
     if not frames:
         raise CodecError("empty message")
-    header = frames[0]
     buffers = [memoryview(f) for f in frames]
 
     def ext_hook(code, data):
