@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import threading
 import time
+from math import prod
 from dataclasses import dataclass, field
 
 from .errors import TqtxError
 from .wire.rpc import DEFAULT_TIMEOUT, Peer, call_many
+from .wire.values import DTYPE_SIZES, RawTensor
 
 
 @dataclass
@@ -44,6 +46,33 @@ def check_partition(pid) -> str:
     if not isinstance(pid, str) or not pid:
         raise TypeError(f"partition_id must be a non-empty str, got {pid!r}")
     return pid
+
+
+class Column(list):
+    """Per-row values of one field, plus the packed buffers they view (``chunks``:
+    ``[(positions, RawTensor of bytes)]``) so a dense column can be built in one copy."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.chunks: list = []
+
+
+def unpack_column(col: dict) -> list:
+    """Per-row values of a GET_ROWS reply column (views into a packed buffer, no copy)."""
+    if "v" in col:
+        return col["v"]
+    dtype, shapes, buf = col["p"]
+    view = memoryview(buf.data)
+    size = DTYPE_SIZES[dtype]
+    out, at = [], 0
+    for shape in shapes:
+        n = prod(shape) * size
+        out.append(RawTensor(dtype, shape, view[at:at + n]))
+        at += n
+    if at != view.nbytes:
+        raise ValueError(f"packed column of {view.nbytes} bytes does not match its "
+                         f"{len(shapes)} row shapes ({at} bytes)")
+    return out
 
 
 class Client:
@@ -178,7 +207,7 @@ class Client:
         meta = self.controller.call("LOOKUP", {"partition_id": pid, "keys": keys,
                                                "select_fields": select_fields})
         fields, indexes = meta["fields"], meta["indexes"]
-        columns = {f: [None] * len(keys) for f in fields}
+        columns = {f: Column([None] * len(keys)) for f in fields}
         if fields:
             per_unit: dict[int, dict] = {}
             positions: dict[int, list[int]] = {}
@@ -192,9 +221,13 @@ class Client:
             self.count("gets", len(keys), sum(p.bytes_received + p.header_bytes_received
                                               for p in peers) - before)
             for u, reply in replies.items():
-                for pos, row in zip(positions[u], reply["rows"]):
-                    for f, v in zip(fields, row):
-                        columns[f][pos] = v
+                pos = positions[u]
+                for f, col in zip(fields, reply["columns"]):
+                    out = columns[f]
+                    for p, v in zip(pos, unpack_column(col)):
+                        out[p] = v
+                    if "p" in col:
+                        out.chunks.append((pos, col["p"][2]))
         return columns, meta["schemas"]
 
     def list_keys(self, pid=None) -> dict:

@@ -1,6 +1,8 @@
 """Client-side conversion between torch/tensordict batches and the torch-free value model."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -165,6 +167,29 @@ def columns_from_dict(fields: dict) -> dict[str, list]:
     return columns
 
 
+def _scatter_packed(out: torch.Tensor, values) -> bool:
+    """Fill dense ``out`` from the units' packed buffers with one vectorized copy per unit
+    (``values.chunks``: ``[(positions, raw uint8 buffer)]`` covering every row)."""
+    chunks = getattr(values, "chunks", None)
+    if not chunks or sum(len(p) for p, _ in chunks) != len(values) or out.numel() == 0:
+        return False
+    rows = out.view(len(values), -1).view(torch.uint8) if out.dim() else None
+    if rows is None:
+        return False
+    for positions, raw in chunks:
+        with warnings.catch_warnings():  # read-only receive buffer: we only read from it
+            warnings.simplefilter("ignore")
+            src = torch.frombuffer(raw.data, dtype=torch.uint8).view(len(positions), -1)
+        first, n = positions[0], len(positions)
+        step = positions[1] - first if n > 1 else 1
+        if step > 0 and positions == list(range(first, first + step * n, step)):
+            # the usual case: index % N routing gives every N-th row to one unit
+            rows[first:first + step * (n - 1) + 1:step].copy_(src)
+        else:
+            rows.index_copy_(0, torch.tensor(positions, dtype=torch.int64), src)
+    return True
+
+
 def assemble_column(values: list, schema: dict):
     """Build a batch column: dense tensor, jagged nested tensor or NonTensorStack."""
     if schema.get("kind") != "tensor" or not values or not isinstance(values[0], RawTensor):
@@ -174,6 +199,8 @@ def assemble_column(values: list, schema: dict):
     if len(shapes) == 1:
         shape = next(iter(shapes))
         out = torch.empty((len(values), *shape), dtype=dtype)
+        if _scatter_packed(out, values):
+            return out
         dst = np.asarray(_byte_view(out)) if out.numel() else None
         if dst is not None:
             rs = dst.nbytes // len(values)

@@ -156,7 +156,9 @@ def test_malformed_frames_get_error_replies(tq_shared, pid, target, tmp_path):
         with pytest.raises(KeyError):
             client.unit(0).call("GET_ROWS", {"indexes": [10 ** 9], "fields": ["x"]})
         stored = client.unit(0).call("GET_ROWS", {"indexes": [10 ** 9 + 1], "fields": ["x"]})
-        assert bytes(stored["rows"][0][0].data) == pickle.dumps(_Marker(str(marker)))
+        from tqtx.client import unpack_column
+        value = unpack_column(stored["columns"][0])[0]
+        assert bytes(value.data) == pickle.dumps(_Marker(str(marker)))
         client.unit(0).call("DROP_ROWS", {"indexes": [10 ** 9 + 1]})
         assert not marker.exists()
 

@@ -30,6 +30,15 @@ DEFAULT_TIMEOUT = float(os.environ.get("TQTX_TIMEOUT", "300"))
 _REPLY_CACHE_SIZE = 4096
 
 
+def _context() -> zmq.Context:
+    """The process's ZeroMQ context; two I/O threads so a client receiving from several
+    units (or a unit serving and calling the controller) moves bytes on both cores."""
+    return zmq.Context.instance(io_threads=IO_THREADS)
+
+
+IO_THREADS = int(os.environ.get("TQTX_IO_THREADS", "2"))
+
+
 def new_id() -> str:
     """A fresh request/operation ID."""
     return uuid.uuid4().hex
@@ -106,7 +115,7 @@ class Server:
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0, *, context=None,
                  curve=None):
         self.name = name
-        self.context = context or zmq.Context.instance()
+        self.context = context or _context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -286,7 +295,7 @@ class Peer:
     def __init__(self, address: str, name: str, *, timeout: float = DEFAULT_TIMEOUT,
                  context=None, liveness: Callable[[], str | None] | None = None, curve=None):
         self.address, self.name, self.timeout = address, name, timeout
-        self.context = context or zmq.Context.instance()
+        self.context = context or _context()
         self.liveness = liveness
         self.curve = curve
         self.socket = None
