@@ -162,15 +162,17 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
             req["rows"].append([idx, fields])
     snapshotted = False
     try:
-        if handle.background and per_unit:
-            # The caller gets control back once every owner unit holds its snapshot; the
-            # lock, the staging directory and the writing all happen after that.
-            client.fan_out("DUMP_SNAPSHOT", per_unit)
-            snapshotted = True
-            handle._on_cancel = lambda: _cancel_units(client, dump_id, per_unit)
-        handle._snapshot.set()
-        faults.hit("client.dump.after_snapshot")
+        # The lock comes before the snapshot, so dumps to one path publish in call order
+        # (a later call waits here for an earlier one).
         with dump_lock(dump_dir):
+            if handle.background and per_unit:
+                # The caller gets control back once every owner unit holds its snapshot;
+                # the staging directory and the writing happen after that.
+                client.fan_out("DUMP_SNAPSHOT", per_unit)
+                snapshotted = True
+                handle._on_cancel = lambda: _cancel_units(client, dump_id, per_unit)
+            handle._snapshot.set()
+            faults.hit("client.dump.after_snapshot")
             if handle._cancel.is_set():
                 raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
             recover_publications(dump_dir)
