@@ -172,11 +172,7 @@ def test_kill9_of_parent_leaves_no_orphans(tmp_path):
         proc.wait()
         assert wait_gone(pids.values(), 5) == [], f"orphans left: {pids}"
     finally:
-        for p in pids.values():
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
-        proc.stdout.close()
-        proc.stderr.close()
+        _reap(proc, pids)
 
 
 def test_interpreter_exit_without_close_stops_children(tmp_path):
@@ -185,11 +181,16 @@ def test_interpreter_exit_without_close_stops_children(tmp_path):
         assert proc.wait(30) == 0
         assert wait_gone(pids.values(), 5) == []
     finally:
-        for p in pids.values():
-            if alive(p):
-                os.kill(p, signal.SIGKILL)
-        proc.stdout.close()
-        proc.stderr.close()
+        _reap(proc, pids)
+
+
+def _reap(proc, pids):
+    """Kill whatever a failed test left alive and close the launcher's pipes."""
+    for p in pids.values():
+        if alive(p):
+            os.kill(p, signal.SIGKILL)
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 # ---------------------------------------------------------------- dead peers
