@@ -243,21 +243,32 @@ class Controller:
 
     # ---------------------------------------------------------------- dump
     def describe_rows(self, body, req):
-        """Per key: global index, produced fields, tag; plus the fields' schemas. No payload."""
+        """Per key (in request order): global index, produced fields and tag, plus the
+        fields' schemas. No payload. Columnar: ``fields_of[i]`` indexes ``field_sets``."""
         pid, keys = body["partition_id"], body["keys"]
         part = self.meta.partition(pid)
         if part is None:
             if not keys:
-                return {"rows": [], "field_schema": {}, "num_units": self.num_units}
+                return {"indexes": [], "field_sets": [], "fields_of": [], "tags": [],
+                        "field_schema": {}, "num_units": self.num_units}
             raise KeyError(f"partition {pid!r} not found")
         indexes = part.indexes_of(keys)
-        rows, used = [], set()
-        for key, idx in zip(keys, indexes):
-            fields = sorted(part.fields.get(idx, ()))
-            used.update(fields)
-            rows.append([key, idx, fields, part.tags.get(key) or {}])
-        return {"rows": rows, "field_schema": {f: part.schema[f] for f in sorted(used)},
-                "num_units": self.num_units}
+        set_ids: dict[frozenset, int] = {}
+        field_sets: list[list[str]] = []
+        fields_of = []
+        produced = part.fields
+        for idx in indexes:
+            fs = frozenset(produced.get(idx, ()))
+            sid = set_ids.get(fs)
+            if sid is None:
+                sid = set_ids[fs] = len(field_sets)
+                field_sets.append(sorted(fs))
+            fields_of.append(sid)
+        used = sorted(set().union(*field_sets)) if field_sets else []
+        tags = part.tags
+        return {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
+                "tags": [tags.get(k) or {} for k in keys],
+                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units}
 
     def record_dump(self, body, req):
         self.journal.record_dump(incarnation_id=self.incarnation, **body)

@@ -150,16 +150,19 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
     dump_dir, dump_id = handle.dump_dir, handle.dump_id
     # Metadata first: unknown partition or keys fail here, before anything touches the disk.
     desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", {"partition_id": pid, "keys": keys})
-    rows = desc["rows"]
-    with_data = [r for r in rows if r[2]]
+    indexes, field_sets, fields_of = desc["indexes"], desc["field_sets"], desc["fields_of"]
     per_unit: dict[int, dict] = {}
     if via == "units":
-        for key, idx, fields, tag in with_data:
+        for idx, sid in zip(indexes, fields_of):
+            if not field_sets[sid]:
+                continue  # a row without fields: only the row index records it
             u = client.owner(idx)
             req = per_unit.get(u)
             if req is None:
-                req = per_unit[u] = {"dump_id": dump_id, "unit_id": u, "rows": []}
-            req["rows"].append([idx, fields])
+                req = per_unit[u] = {"dump_id": dump_id, "unit_id": u, "indexes": [],
+                                     "fields_of": [], "field_sets": field_sets}
+            req["indexes"].append(idx)
+            req["fields_of"].append(sid)
     snapshotted = False
     try:
         # The lock comes before the snapshot, so dumps to one path publish in call order
@@ -175,6 +178,9 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
             faults.hit("client.dump.after_snapshot")
             if handle._cancel.is_set():
                 raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
+            rows = [[k, i, field_sets[sid], t]
+                    for k, i, sid, t in zip(keys, indexes, fields_of, desc["tags"])]
+            with_data = [r for r in rows if r[2]]
             recover_publications(dump_dir)
             with DumpJournal(dump_dir) as journal:
                 check_no_reader(client, journal, dump_dir)

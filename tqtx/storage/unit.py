@@ -137,11 +137,12 @@ class StorageUnit:
     def _start_dump(self, body) -> "DumpJob":
         """Snapshot the selected rows by reference now; write the shard in a worker thread."""
         snapshot = []
-        for idx, fields in body["rows"]:
-            row = self.rows.get(idx)
+        rows, field_sets = self.rows, body["field_sets"]
+        for idx, sid in zip(body["indexes"], body["fields_of"]):
+            row = rows.get(idx)
             if row is None:
                 raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
-            snapshot.append((idx, {f: row[f] for f in fields}))
+            snapshot.append((idx, {f: row[f] for f in field_sets[sid]}))
         job = DumpJob(body["dump_id"], body.get("path"), snapshot, self.unit_id)
         self.dump_jobs[job.dump_id] = job
         job.future.add_done_callback(lambda _f: self._account_dump(job))
