@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -171,12 +170,15 @@ class BufferMachine(RuleBasedStateMachine):
 
     root: Path = None       # set by the test
     counter = 0
+    examples = 0
 
     def __init__(self):
         super().__init__()
         self.model: dict[str, tuple[int, dict]] = {}
         self.dumps: dict[str, dict] = {}
         self.restarts = 0
+        BufferMachine.examples += 1
+        self.example = BufferMachine.examples
         if _initialized():
             existing = list(tq.kv_list(PID).get(PID, {}))
             if existing:
@@ -209,7 +211,8 @@ class BufferMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def dump(self, data):
         keys = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
-        path = str(self.root / f"d{uuid.uuid4().hex[:8]}")
+        # names sort in creation order, so a replayed example draws the same dump in `load`
+        path = str(self.root / f"ex{self.example:04d}" / f"d{len(self.dumps):04d}")
         tq.dump_data_by_key(path, keys, PID)
         self.dumps[path] = {k: self.model[k] for k in keys}
 
