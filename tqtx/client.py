@@ -197,8 +197,7 @@ class Client:
                 per_unit.setdefault(idx % self.num_units, {"rows": [], "fresh": []})["fresh"].append(idx)
             self.fan_out("PUT_ROWS", per_unit)
         res = self.controller.call("COMMIT_PUT", {"partition_id": pid, "keys": keys,
-                                                  "fields": list(columns), "schemas": schemas,
-                                                  "tags": tags})
+                                                  "fields": list(columns), "tags": tags})
         self.count("puts", len(keys), nbytes)
         return res["fields"]
 

@@ -179,16 +179,13 @@ class Controller:
         return {"indexes": [part.keys[k] for k in keys], "fresh": fresh_idx}
 
     def commit_put(self, body, req):
-        """Publish the fields (and merge the tags) of rows the units now hold."""
+        """Publish the fields (and merge the tags) of rows the units now hold.
+
+        The fields' schemas were validated and merged by ALLOC, before any unit wrote.
+        """
         pid = body["partition_id"]
         part = self.meta.require(pid)
         keys, fields, tags = body["keys"], body.get("fields") or [], body.get("tags")
-        schemas = body.get("schemas") or {}
-        for field, schema in schemas.items():
-            old = part.schema.get(field)
-            if old is not None:
-                check_schema_compatible(field, old, schema)
-            part.schema[field] = merge_schema(old, schema)
         common = None
         for i, key in enumerate(keys):
             idx = part.keys.get(key)
