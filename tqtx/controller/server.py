@@ -11,7 +11,7 @@ import time
 
 from .. import __version__, faults
 from ..errors import KeysNotFoundError, RestorePendingError, StateDirInUseError
-from ..journal.store import ControllerJournal, IllegalTransition
+from ..journal.store import ControllerJournal, IllegalTransition, controller_lock_path
 from ..wire.rpc import Peer, Server, call_many, new_id
 from .metadata import Metadata, check_schema_compatible, merge_schema
 
@@ -47,7 +47,7 @@ def acquire_state_dir(state_dir: str):
     import filelock
 
     os.makedirs(state_dir, exist_ok=True)
-    lock = filelock.FileLock(os.path.join(state_dir, "controller.lock"))
+    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)))
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:

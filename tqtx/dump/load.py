@@ -15,8 +15,9 @@ import time
 import filelock
 
 from .. import faults
-from ..errors import DumpFormatError, PeerDiedError, PeerTimeoutError, RestorePendingError
-from ..journal.store import DumpJournal, controller_journal_path, dump_journal_path
+from ..errors import DumpFormatError, PeerTimeoutError, RestorePendingError
+from ..journal.store import (DumpJournal, controller_journal_path, controller_lock_path,
+                             dump_journal_path)
 from ..wire.rpc import call_many, new_id
 from . import format as fmt
 from .publish import dump_lock, recover_publications
@@ -41,7 +42,7 @@ def _controller_alive(state_dir: str) -> bool | None:
     """Is a controller holding ``state_dir``? None when that journal does not exist."""
     if not state_dir or not controller_journal_path(state_dir).exists():
         return None
-    lock = filelock.FileLock(os.path.join(state_dir, "controller.lock"))
+    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)))
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
@@ -174,8 +175,6 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
                       dump_dir=dump_dir)
         faults.hit("client.restore.after_abort")
         _mark_dump_journal(dump_dir, rid, out["outcome"])
-        if isinstance(first, PeerDiedError):
-            raise first
         raise first
     faults.hit("client.restore.before_finish")
     out = _finish(client, rid, commit=True, dump_dir=dump_dir)

@@ -18,6 +18,7 @@ from filelock import FileLock, Timeout
 
 from .store import (
     CONTROLLER, DUMP, ControllerJournal, DumpJournal, controller_journal_path,
+    controller_lock_path,
     default_state_dir, dump_journal_path, head_revision, migrate,
 )
 
@@ -210,11 +211,11 @@ def recover(dump_dir, state_dir, as_json) -> None:
         _echo_actions(actions, as_json, {"journal": str(path), "kind": kind})
         return
     _require(path)
-    lock = FileLock(os.fspath(target / "controller.lock"), timeout=0)
+    lock = FileLock(os.fspath(controller_lock_path(target)), timeout=0)
     try:
         lock.acquire()
     except Timeout:
-        click.echo(f"error: a live controller holds {target / 'controller.lock'}; "
+        click.echo(f"error: a live controller holds {controller_lock_path(target)}; "
                    f"it recovers its journal itself", err=True)
         sys.exit(1)
     try:

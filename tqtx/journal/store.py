@@ -81,6 +81,11 @@ def controller_journal_path(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir) / "journal.sqlite"
 
 
+def controller_lock_path(state_dir: str | os.PathLike) -> Path:
+    """The file lock a running controller holds on its ``state_dir``."""
+    return Path(state_dir) / "controller.lock"
+
+
 def _sibling(dump_dir: str | os.PathLike, suffix: str) -> Path:
     p = Path(os.path.abspath(os.fspath(dump_dir)))
     return p.with_name(p.name + suffix)
