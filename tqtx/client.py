@@ -140,10 +140,6 @@ class Client:
             self.unit_addresses = topo["units"]
             self._local.units = {}
 
-    def payload_bytes_received(self) -> int:
-        """Payload bytes this client received from units (tensor frames), across threads."""
-        return sum(p.bytes_received for p in self._all_peers if p.name.startswith("unit"))
-
     def received_from_units(self) -> dict:
         """Frames and bytes received from units so far (headers counted separately)."""
         peers = [p for p in self._all_peers if p.name.startswith("unit")]

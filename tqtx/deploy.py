@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from .errors import PeerDiedError, StateDirInUseError, TqtxError
+from .errors import StateDirInUseError, TqtxError
 
 log = logging.getLogger("tqtx.deploy")
 
@@ -161,8 +161,3 @@ class LocalDeployment:
             atexit.unregister(self.stop)
         except Exception:
             pass
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise PeerDiedError(f"{name} (pid {proc.pid}) exited with code {proc.returncode}")

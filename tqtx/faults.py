@@ -69,7 +69,3 @@ def hit(point: str) -> None:
         time.sleep(float(action.split(":", 1)[1]))
     else:
         raise ValueError(f"unknown fault action {action!r} for point {point!r}")
-
-
-def active() -> bool:
-    return bool(_TABLE)

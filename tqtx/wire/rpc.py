@@ -135,7 +135,6 @@ class Server:
         self._wake.bind(self._wake_addr)
         self._wake_local = threading.local()
         self._stop = False
-        self.idle_hooks: list[Callable[[], None]] = []
         role, _, suffix = name.partition("-")
         self.metrics = Metrics(role, int(suffix) if suffix.isdigit() else None)
         self.op_labels: dict[str, Callable[[dict], str]] = {}  # op -> metrics label from body
@@ -282,8 +281,6 @@ class Server:
                         break
                     self.current_ident = msg[0].bytes
                     self._handle([msg[0].bytes, *msg[1:]])
-            for hook in self.idle_hooks:
-                hook()
         self.socket.close(linger=1000)
         self._wake.close(linger=0)
 
