@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 
 import pytest
 
 os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
+
+# No test may use the user's default state dir (~/.local/state/tqtx/default): every bare
+# tq.init() of this run, in this process and in the processes it starts, shares one
+# temporary state dir instead, removed at the end of the session.
+_OWN_STATE_DIR = None
+if not os.environ.get("TQTX_STATE_DIR"):
+    _OWN_STATE_DIR = tempfile.mkdtemp(prefix="tqtx-test-state-")
+    os.environ["TQTX_STATE_DIR"] = _OWN_STATE_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_STATE_DIR is not None:
+        shutil.rmtree(_OWN_STATE_DIR, ignore_errors=True)
 
 
 @pytest.fixture

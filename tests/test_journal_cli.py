@@ -143,8 +143,10 @@ def test_show_missing_does_not_create(runner, tmp_path):
     res = runner.invoke(journal, ["show", str(tmp_path / "buf"), "--json"])
     assert res.exit_code == 1
     assert list(tmp_path.iterdir()) == []
+    # With DUMP_DIR, --state-dir is where a read-only dump's journal would be kept.
     res = runner.invoke(journal, ["show", str(tmp_path / "buf"), "--state-dir", str(tmp_path)])
-    assert res.exit_code == 2  # usage error
+    assert res.exit_code == 1 and "no journal" in res.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_recover_state_dir(runner, populated):
@@ -179,14 +181,28 @@ def test_recover_refuses_live_controller(runner, populated):
 
 
 def test_recover_dump_dir(runner, tmp_path):
+    """Recovery settles journaled debris only: an unjournaled ``.old`` / ``.tmp-*`` stays."""
     dump = tmp_path / "buf"
     (tmp_path / "buf.old").mkdir()
     (tmp_path / "buf.old" / "f").write_text("old")
     (tmp_path / "buf.tmp-x").mkdir()
     res = invoke(runner, "recover", dump)
-    assert res.exit_code == 0
-    assert "restored-old" in res.output and "removed-staging" in res.output
+    assert res.exit_code == 0 and "nothing to recover" in res.output
+    assert (tmp_path / "buf.old" / "f").read_text() == "old"
+    assert (tmp_path / "buf.tmp-x").is_dir() and not dump.exists()
+
+    # A crash after moving the old dump aside, journaled: recovery puts it back.
+    (tmp_path / "buf.old").rename(dump)
+    with DumpJournal(dump) as j:
+        j.begin_publication(attempt_id="a2", kind="dump", dump_id=None,
+                            staging_dir=str(dump) + ".tmp-a2")
+        j.set_phase("a2", "synced")
+    (tmp_path / "buf.tmp-a2").mkdir()
+    dump.rename(tmp_path / "buf.old")
+    res = invoke(runner, "recover", dump)
+    assert res.exit_code == 0 and "rolled-back" in res.output
     assert (dump / "f").read_text() == "old"
+    assert not (tmp_path / "buf.tmp-a2").exists() and (tmp_path / "buf.tmp-x").is_dir()
     assert "nothing to recover" in invoke(runner, "recover", dump).output
 
 

@@ -163,6 +163,19 @@ def test_committing_aborted_only_on_restart(cj):
     assert r["outcome"] == "aborted" and r["units"][0]["state"] == "dropped"
 
 
+def test_note_reason_on_a_committing_restore_then_failed(cj):
+    begin(cj, units=[0])
+    cj.claim_unit("r1", 0)
+    cj.stage_unit("r1", 0, rows=1, bytes=1)
+    cj.decide_commit("r1")
+    r = cj.note_reason("r1", "redo_failed: /x/buf: unit 0: gone")
+    assert r["state"] == "committing" and r["reason"] == "redo_failed: /x/buf: unit 0: gone"
+    r = cj.finish_restore("r1", "failed", "redo_failed: /x/buf: unit 0: gone; given up")
+    assert r["state"] == r["outcome"] == "failed" and r["units"][0]["state"] == "dropped"
+    # a final restore keeps its reason
+    assert cj.note_reason("r1", "other")["reason"].endswith("given up")
+
+
 def test_claim_requires_active_restore(cj):
     begin(cj)
     cj.finish_restore("r1", "cancelled")
@@ -251,6 +264,9 @@ def test_startup_replay(tmp_path, phase, expect):
     dump = tmp_path / "ckpt" / "buf"
     dump.mkdir(parents=True)
     (dump / "data").write_text("old")
+    # only a tqtx dump (by its manifest) may be replaced by a publication
+    (dump / "dump_info.json").write_text('{"format_version": 1, "dump_id": "d", '
+                                         '"partition_id": "p", "row_index": {}, "shards": []}')
     state = tmp_path / "state"
     with ControllerJournal(state) as j:
         old_inc = inc(j, pid=1)
@@ -298,7 +314,7 @@ def test_startup_replay(tmp_path, phase, expect):
     with DumpJournal(dump) as dj:
         assert dj.get_restore("r-half")["state"] == "aborted"
         assert dj.unfinished_publications() == []
-    assert tree(dump) == {"data": expect}
+    assert tree(dump)["data"] == expect
     assert sorted(p.name for p in dump.parent.iterdir()) == [
         "buf", "buf.journal.sqlite", "buf.journal.sqlite-journal",
             "buf.journal.sqlite.migrate.lock", "buf.lock"]

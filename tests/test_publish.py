@@ -32,8 +32,14 @@ def tree(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-OLD = {"meta.json": "old", "shards/0.bin": "old-0"}
-NEW = {"meta.json": "new", "shards/0.bin": "new-0", "shards/1.bin": "new-1"}
+# The smallest manifest tqtx.paths.manifest_kind takes for a dump: only a tqtx dump (or an
+# empty directory) may be replaced by a publication.
+DUMP_MANIFEST = ('{"format_version": 1, "dump_id": "d", "partition_id": "p", '
+                 '"row_index": {}, "shards": []}')
+CKPT_MANIFEST = '{"format_version": 1, "kind": "tqtx-checkpoint"}'
+OLD = {"dump_info.json": DUMP_MANIFEST, "meta.json": "old", "shards/0.bin": "old-0"}
+NEW = {"dump_info.json": DUMP_MANIFEST, "meta.json": "new", "shards/0.bin": "new-0",
+       "shards/1.bin": "new-1"}
 
 
 def write(root: Path, files: dict[str, str]) -> None:
@@ -50,13 +56,14 @@ def siblings(dump: Path) -> list[str]:
                   if p.name != dump.name and not p.name.endswith(skip))
 
 
-def publish(dump: Path, files: dict[str, str], fault: str = "") -> Publication | None:
+def publish(dump: Path, files: dict[str, str], fault: str = "", kind: str = "dump"
+            ) -> Publication | None:
     """Publish ``files`` as ``dump``; with ``fault`` the given point raises (a simulated crash)."""
     faults.configure(f"publish.after_{fault}:raise" if fault else "")
     pub = None
     with dump_lock(dump), DumpJournal(dump) as j:
         try:
-            pub = Publication(dump, dump_id="d1", journal=j)
+            pub = Publication(dump, kind=kind, dump_id="d1", journal=j)
             write(pub.staging_dir, files)
             pub.mark_written()
             pub.commit()
@@ -73,19 +80,21 @@ def phases(dump: Path) -> list[str]:
 
 def test_commit_publishes_and_replaces(tmp_path):
     dump = tmp_path / "ckpt" / "buf"
-    publish(dump, OLD)
-    assert tree(dump) == OLD
+    old = {"checkpoint_info.json": CKPT_MANIFEST, "meta.json": "old"}
+    new = {"checkpoint_info.json": CKPT_MANIFEST, "meta.json": "new", "units/0.bin": "new-0"}
+    publish(dump, old, kind="checkpoint")
+    assert tree(dump) == old
     with dump_lock(dump), DumpJournal(dump) as j:
         pub = Publication(dump, kind="checkpoint", dump_id="d2", journal=j)
         assert pub.staging_dir == dump.parent / f"buf.tmp-{pub.attempt_id}"
         assert len(pub.attempt_id) == 12
-        write(pub.staging_dir, NEW)
+        write(pub.staging_dir, new)
         pub.mark_written()
         size = pub.commit()
-        assert size == sum(len(v) for v in NEW.values()) == publish_dir_size(dump)
+        assert size == sum(len(v) for v in new.values()) == publish_dir_size(dump)
         row = j.get_publication(pub.attempt_id)
         assert row["phase"] == "cleaned" and row["kind"] == "checkpoint"
-    assert tree(dump) == NEW
+    assert tree(dump) == new
     assert siblings(dump) == []
     assert dump_journal_path(dump) == dump.parent / "buf.journal.sqlite"
     assert dump_journal_path(dump).exists() and (dump.parent / "buf.lock").exists()
@@ -209,21 +218,64 @@ def test_recover_crash_between_rename_and_journal(tmp_path):
     assert tree(dump) == NEW and siblings(dump) == []
 
 
-def test_recover_without_journal(tmp_path):
+def test_recover_leaves_what_no_journal_row_accounts_for(tmp_path):
+    """A ``.old`` or ``.tmp-*`` beside a dump that no publication row names is not tqtx's:
+    recovery never renames or deletes it (with or without a journal)."""
     dump = tmp_path / "buf"
     write(tmp_path / "buf.old", OLD)
     write(tmp_path / "buf.tmp-abc", NEW)
     with dump_lock(dump):
-        actions = recover_publications(dump)
-    assert [a["action"] for a in actions] == ["restored-old", "removed-staging"]
-    assert tree(dump) == OLD and siblings(dump) == []
+        assert recover_publications(dump) == []
+    assert not dump.exists()
+    assert tree(tmp_path / "buf.old") == OLD and tree(tmp_path / "buf.tmp-abc") == NEW
     assert not dump_journal_path(dump).exists()  # recovery never creates a journal
 
-    write(tmp_path / "buf.old", NEW)
+    other = tmp_path / "other"
+    publish(other, OLD)  # a journal with a finished row only
+    write(tmp_path / "other.old", OLD)
+    write(tmp_path / "other.tmp-abc", NEW)
+    with dump_lock(other):
+        assert recover_publications(other) == []
+    assert tree(other) == OLD
+    assert tree(tmp_path / "other.old") == OLD and tree(tmp_path / "other.tmp-abc") == NEW
+
+
+def test_commit_refuses_a_target_that_is_not_a_dump(tmp_path):
+    """The target changed under a running publication (a user's file appeared in the empty
+    directory, or a ``.old`` appeared): commit refuses and abort leaves all of it alone."""
+    from tqtx.errors import TargetNotADumpError
+    dump = tmp_path / "buf"
+    dump.mkdir()
+    for intruder in (dump / "model.pt", tmp_path / "buf.old"):
+        with dump_lock(dump), DumpJournal(dump) as j:
+            pub = Publication(dump, dump_id="d2", journal=j)
+            write(pub.staging_dir, NEW)
+            pub.mark_written()
+            intruder.write_text("user data")
+            with pytest.raises(TargetNotADumpError, match=str(intruder)
+                               if intruder.name == "buf.old" else str(dump)):
+                pub.commit()
+            pub.abort("refused")
+            assert j.get_publication(pub.attempt_id)["phase"] == "failed"
+        assert intruder.read_text() == "user data"
+        assert not pub.staging_dir.exists()
+        with dump_lock(dump):
+            assert recover_publications(dump) == []
+        assert intruder.read_text() == "user data"
+        intruder.unlink()
+
+
+def test_recover_ignores_a_row_whose_staging_is_not_beside_the_dump(tmp_path):
+    """A journal row naming a staging dir elsewhere (a damaged or hostile journal) never
+    makes recovery delete that directory."""
+    dump = tmp_path / "buf"
+    victim = tmp_path / "elsewhere"
+    write(victim, {"keep.txt": "mine"})
+    with DumpJournal(dump) as j:
+        j.begin_publication(attempt_id="a1", kind="dump", dump_id=None, staging_dir=str(victim))
     with dump_lock(dump):
-        assert [a["action"] for a in recover_publications(dump)] == ["removed-old"]
-        assert recover_publications(dump) == []
-    assert tree(dump) == OLD
+        assert [a["action"] for a in recover_publications(dump)] == ["ignored"]
+    assert tree(victim) == {"keep.txt": "mine"}
 
 
 def test_phase_rules(tmp_path):
@@ -291,7 +343,7 @@ CHILD = textwrap.dedent("""
                                           ("published", "new")])
 def test_killed_child_recovers_to_old_or_new(tmp_path, point, expect):
     dump = tmp_path / "buf"
-    write(dump, {"old-0": "old"})
+    write(dump, {"dump_info.json": DUMP_MANIFEST, "old-0": "old"})
     env = dict(os.environ, TQTX_FAULTS=f"publish.after_{point}:kill")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(dump)], env=env,
                           capture_output=True, text=True, timeout=60)
@@ -299,6 +351,7 @@ def test_killed_child_recovers_to_old_or_new(tmp_path, point, expect):
     with dump_lock(dump):
         recover_publications(dump)
     contents = tree(dump)
-    old, new = {"old-0": "old"}, {f"new-{i}": "new" * 100 for i in range(3)}
+    old = {"dump_info.json": DUMP_MANIFEST, "old-0": "old"}
+    new = {f"new-{i}": "new" * 100 for i in range(3)}
     assert contents == (new if expect == "new" else old)
     assert siblings(dump) == []

@@ -149,15 +149,57 @@ def test_non_tensor_stack_of_bare_tensors_is_a_tensor_column():
     assert [t.tolist() for t in td.get("s").unbind()] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
 
 
-def test_non_tensor_stack_mixing_bare_tensors_and_objects_is_refused():
-    cols = T.columns_from_tensordict(
-        TensorDict({"s": NonTensorStack(torch.ones(2), "x")}, batch_size=[2]), 2)
-    with pytest.raises(ValueError, match="mix tensors and non-tensor"):
-        T.column_schema(cols["s"])
-    # wrapping the tensor in a container keeps the column non-tensor
-    cols = T.columns_from_tensordict(
-        TensorDict({"s": NonTensorStack([torch.ones(2)], "x")}, batch_size=[2]), 2)
-    assert T.column_schema(cols["s"]) == {"kind": "object"}
+def _same_value(a, b) -> bool:
+    """Equal with the same types and, for tensors, the same dtype, shape and bits."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and bytes(T.to_raw(a).data) == bytes(T.to_raw(b).data))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same_value(a[k], b[k]) for k in a))
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same_value, a, b))
+    return type(a) is type(b) and a == b
+
+
+MIXED_COLUMNS = {
+    "dtypes": [torch.tensor([1]), torch.tensor([1.5])],
+    "ranks": [torch.tensor(7, dtype=torch.int16), torch.ones(2, 2, dtype=torch.bfloat16)],
+    "with_objects": [torch.tensor([True, False]), "x", None, {"t": torch.arange(2)}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_COLUMNS))
+def test_mixed_column_is_a_non_tensor_field_with_a_warning(name):
+    """Tensors of different dtypes or ranks, or tensors with objects, in one column: stored
+    as a non-tensor field (with a warning), each row back exactly as put."""
+    rows = MIXED_COLUMNS[name]
+    td0 = TensorDict({"s": NonTensorStack(*rows)}, batch_size=[len(rows)])
+    with pytest.warns(UserWarning, match="'s' mixes .* non-tensor field"):
+        schemas, td = round_trip(td0)
+    assert schemas["s"] == {"kind": "object"}
+    back = td.get("s")
+    assert isinstance(back, NonTensorStack)
+    assert all(_same_value(a, b) for a, b in zip(rows, back.tolist(), strict=True))
+
+
+def test_uniform_tensor_column_is_still_a_tensor_field_without_warning():
+    import warnings
+    td0 = TensorDict({"s": NonTensorStack(torch.ones(2), torch.zeros(3))}, batch_size=[2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schemas, _ = round_trip(td0)
+    assert schemas["s"]["kind"] == "tensor"
+
+
+def test_field_objects_that_look_like_the_tensor_wrapper_round_trip():
+    """A non-tensor row that is a bare tensor travels wrapped; a user's dict shaped like
+    the wrapper is escaped, so both come back as they were."""
+    rows = [{"__tqtx_tensor__": torch.ones(1)}, {"__tqtx_escaped__": 1}, torch.arange(3), "s"]
+    cols = {"o": [T.encode_field_object(v, "o") for v in rows]}
+    assert not any(isinstance(v, RawTensor) for v in cols["o"])
+    back = _wire(cols)["o"]
+    assert all(_same_value(a, T.decode_field_object(b)) for a, b in zip(rows, back))
 
 
 def test_non_tensor_data_broadcast_column():

@@ -6,21 +6,25 @@ lazily, so controller and storage-unit processes start without torch.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+# The TransferQueue release whose KV and checkpoint API this one matches (docs/compatibility.md).
+TRANSFERQUEUE_API_VERSION = "0.1.11"
 
 _API = {
     "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
     "kv_clear", "save_checkpoint", "load_checkpoint", "dump_data_by_key", "load_data_by_key",
     "read_row_index", "recover_data_load", "list_restores", "get_client", "KVBatchMeta",
-    "DumpHandle",
+    "DumpHandle", "get_metrics_endpoint",
     "async_kv_put", "async_kv_batch_put", "async_kv_batch_get", "async_kv_batch_get_by_meta",
     "async_kv_list", "async_kv_clear", "async_save_checkpoint", "async_load_checkpoint",
     "async_dump_data_by_key", "async_load_data_by_key", "async_recover_data_load",
 }
 _ERRORS = {"KeysNotFoundError", "RestorePendingError", "PeerTimeoutError", "PeerDiedError",
-           "DumpFormatError", "StateDirInUseError", "TqtxError", "RemoteError"}
+           "DumpFormatError", "StateDirInUseError", "TqtxError", "RemoteError",
+           "TargetNotADumpError", "ReadOnlyDumpError", "DumpNotFoundError",
+           "FieldsNotFoundError", "PartitionNotFoundError", "SchemaConflictError"}
 
-__all__ = sorted(_API | _ERRORS) + ["__version__"]
+__all__ = sorted(_API | _ERRORS) + ["__version__", "TRANSFERQUEUE_API_VERSION"]
 
 
 def __getattr__(name):

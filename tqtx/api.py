@@ -1,8 +1,9 @@
 """Module-level API, compatible with TransferQueue's KV and checkpoint functions.
 
 ``import tqtx as tq; tq.init()`` starts an embedded deployment (controller + units as
-child processes on 127.0.0.1); ``tq.init(address=...)`` or ``TQTX_ADDRESS`` attaches to
-a running one.
+child processes on 127.0.0.1) or, in the job's other processes, attaches to the one
+that owns the state dir; ``tq.init(address=...)`` or ``TQTX_ADDRESS`` attaches to a
+running one by address.
 """
 from __future__ import annotations
 
@@ -11,19 +12,24 @@ import functools
 import os
 import threading
 
-from .client import Client, KVBatchMeta, check_keys, check_partition
+from .client import Client, KVBatchMeta, check_keys, check_partition, check_utf8
 from .errors import TqtxError
 
 __all__ = [
     "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
     "kv_clear", "save_checkpoint", "load_checkpoint", "dump_data_by_key", "load_data_by_key",
     "read_row_index", "recover_data_load", "list_restores", "get_client", "KVBatchMeta",
+    "get_metrics_endpoint",
 ]
 
 _lock = threading.RLock()
 _client: Client | None = None
 _deployment = None
 _config: dict | None = None
+# "tqtx" (default: strict keys, dense results) or "transferqueue" (TransferQueue's lenient
+# results; see docs/compatibility.md). Set by init's ``compat`` key.
+_compat = "tqtx"
+COMPAT_MODES = ("tqtx", "transferqueue")
 
 DEFAULTS = {"num_units": 2, "host": "127.0.0.1", "port": 0, "timeout": 300.0}
 
@@ -33,29 +39,43 @@ def _default_state_dir() -> str:
     return str(default_state_dir())
 
 
-def init(config: dict | None = None, *, address: str | None = None) -> dict:
-    """Start an embedded deployment, or attach to ``address`` / ``$TQTX_ADDRESS``.
+def init(conf=None, *, address: str | None = None, config=None) -> dict:
+    """Create the state dir's deployment or attach to it, or attach to ``address``.
 
-    ``config`` keys: ``num_units`` (2), ``state_dir`` ($TQTX_STATE_DIR or a per-user
-    state dir), ``host`` (127.0.0.1), ``port`` (0 = any), ``timeout`` (seconds),
-    ``address`` (attach instead of starting). Returns the effective config.
+    Without ``address`` / ``$TQTX_ADDRESS``, the first process of a job to call init
+    starts an embedded deployment (``mode: "embedded"``) and the others, calling the same
+    bare ``init()`` with the same state dir, attach to it (``mode: "attached"``); only the
+    creator's close() or exit stops it (see :mod:`tqtx.owner`).
+    ``conf`` (TransferQueue's parameter name; ``config=`` is the same) is a dict, or
+    TransferQueue's config (dict or OmegaConf; its
+    ``backend.SimpleStorage.num_data_storage_units`` is ``num_units``, the rest is
+    ignored with one log line; see :mod:`tqtx.initconfig`). Its keys: ``num_units`` (2),
+    ``state_dir`` ($TQTX_STATE_DIR or a per-user state dir; the deployment is shared by
+    the processes using the same state dir), ``host`` (127.0.0.1), ``port`` (0 = any),
+    ``timeout`` (seconds), ``address`` (attach instead of starting). Returns the effective
+    config (``mode``, ``address``, ``units``, ``pids``, ``owner_pid``, ...).
     Access control (see docs/security.md): ``server_key`` (the deployment's public key,
     or $TQTX_SERVER_KEY), ``keys_dir`` (a ``tqtx keys init`` key dir, or $TQTX_KEYS_DIR;
     default ``<state_dir>/keys``), ``client_key`` (a client secret certificate file),
     ``insecure`` (allow a non-loopback host without keys, with a warning).
     ``metrics`` (``{"enabled": bool, "port": int}``): Prometheus endpoints, controller at
     ``port`` and unit k at ``port + 1 + k`` (see docs/operations.md).
+    ``placement: "ray"`` (with ``unit_node_resource``, ``ray_num_cpus``,
+    ``ray_start_timeout``, ``ray_name``) runs the controller and units as Ray actors across
+    the cluster; inside a Ray job that has one, a bare init attaches (docs/deployment.md).
     Calling init again while initialized returns the current config.
     """
     global _client, _deployment, _config
+    if conf is not None and config is not None:
+        raise TypeError("init() takes conf or config, not both")
+    config = conf if conf is not None else config
     with _lock:
         if _client is not None:
             return dict(_config)
-        cfg = {**DEFAULTS, **(config or {})}
-        unknown = set(cfg) - {*DEFAULTS, "state_dir", "address", "unit_env", "env",
-                              "server_key", "keys_dir", "client_key", "insecure", "metrics"}
-        if unknown:
-            raise ValueError(f"unknown config keys: {sorted(unknown)}")
+        from .initconfig import resolve
+        given = resolve(config)
+        _set_compat(given.pop("compat", None))
+        cfg = {**DEFAULTS, **given}
         address = address or cfg.get("address") or os.environ.get("TQTX_ADDRESS")
         if address:
             from .security import attach_curve
@@ -72,37 +92,78 @@ def init(config: dict | None = None, *, address: str | None = None) -> dict:
                        "incarnation": topo["incarnation"]}
             _client = client
             return dict(_config)
-        from .deploy import LocalDeployment
-        state_dir = cfg.get("state_dir") or os.environ.get("TQTX_STATE_DIR") or _default_state_dir()
+        from .placement.ray_init import init_on_ray  # imports Ray only if asked or loaded
+        placed = init_on_ray({**cfg, "num_units_given": given.get("num_units")},
+                             _default_state_dir)
+        if placed is not None:  # placement "ray", or inside a Ray job with a deployment
+            _deployment, _client, _config = placed
+            return dict(_config)
+        state_dir = os.path.abspath(cfg.get("state_dir") or os.environ.get("TQTX_STATE_DIR")
+                                    or _default_state_dir())
         num_units = int(cfg["num_units"])
         if num_units < 1:
             raise ValueError("num_units must be >= 1")
-        env = dict(cfg.get("env") or {})
-        if cfg.get("insecure"):
-            env["TQTX_INSECURE"] = "1"
-        if cfg.get("keys_dir"):
-            env["TQTX_KEYS_DIR"] = os.path.abspath(cfg["keys_dir"])
-        dep = LocalDeployment(num_units=num_units, state_dir=state_dir, host=cfg["host"],
-                              port=int(cfg["port"]), env=env or None,
-                              unit_env=cfg.get("unit_env"), metrics=cfg.get("metrics"))
+        from . import owner
+        lock = owner.creation_lock(state_dir)
+        owner.acquire(lock)
         try:
-            from .security import client_curve_for
-            curve = client_curve_for(dep.state_dir, host=cfg["host"], keys_dir=cfg.get("keys_dir"),
-                                     server_key=cfg.get("server_key"),
-                                     client_key_file=cfg.get("client_key"),
-                                     force=env.get("TQTX_CURVE") == "1")
-            client = Client(dep.address, timeout=float(cfg["timeout"]), deployment=dep,
-                            curve=curve)
-        except BaseException:
-            dep.stop(graceful=False)
-            raise
-        _deployment, _client = dep, client
-        _config = {"mode": "embedded", "address": dep.address, "num_units": num_units,
-                   "state_dir": dep.state_dir, "host": cfg["host"],
-                   "timeout": float(cfg["timeout"]), "units": client.unit_addresses,
-                   "incarnation": dep.incarnation, "pids": dict(dep.pids),
-                   "metrics_port": dep.metrics_port}
-        return dict(_config)
+            rec = owner.live_record(state_dir, cfg)
+            if rec is not None:
+                _client, _config = _attach_recorded(rec, cfg, given.get("num_units"))
+                return dict(_config)
+            _deployment, _client, _config = _start_embedded(cfg, state_dir, num_units)
+            return dict(_config)
+        finally:
+            lock.release()
+
+
+def _attach_recorded(rec: dict, cfg: dict, asked_units):
+    """Attach to the live deployment described by owner record ``rec``."""
+    from .owner import RecordedDeployment, record_curve
+    if asked_units is not None and int(asked_units) != rec.get("num_units"):
+        # TransferQueue ignores the config of every init() but the first one, too.
+        import logging
+        logging.getLogger("tqtx.init").warning(
+            "attaching to the running deployment of %s with %s units (config asked for %s)",
+            rec["state_dir"], rec.get("num_units"), asked_units)
+    client = Client(rec["address"], timeout=float(cfg["timeout"]),
+                    deployment=RecordedDeployment(rec), curve=record_curve(rec, cfg))
+    topo = client.topology
+    return client, {"mode": "attached", "address": rec["address"],
+                    "num_units": topo["num_units"], "state_dir": topo["state_dir"],
+                    "host": rec["address"].split("//")[-1].rsplit(":", 1)[0],
+                    "timeout": float(cfg["timeout"]), "units": topo["units"],
+                    "incarnation": topo["incarnation"], "pids": dict(rec.get("pids") or {}),
+                    "owner_pid": rec.get("owner_pid")}
+
+
+def _start_embedded(cfg: dict, state_dir: str, num_units: int):
+    """Start this process's deployment of ``state_dir`` (its owner record included)."""
+    from .deploy import LocalDeployment
+    env = dict(cfg.get("env") or {})
+    if cfg.get("insecure"):
+        env["TQTX_INSECURE"] = "1"
+    if cfg.get("keys_dir"):
+        env["TQTX_KEYS_DIR"] = os.path.abspath(cfg["keys_dir"])
+    dep = LocalDeployment(num_units=num_units, state_dir=state_dir, host=cfg["host"],
+                          port=int(cfg["port"]), env=env or None,
+                          unit_env=cfg.get("unit_env"), metrics=cfg.get("metrics"))
+    try:
+        from .security import client_curve_for
+        curve = client_curve_for(dep.state_dir, host=cfg["host"], keys_dir=cfg.get("keys_dir"),
+                                 server_key=cfg.get("server_key"),
+                                 client_key_file=cfg.get("client_key"),
+                                 force=env.get("TQTX_CURVE") == "1")
+        client = Client(dep.address, timeout=float(cfg["timeout"]), deployment=dep,
+                        curve=curve)
+    except BaseException:
+        dep.stop(graceful=False)
+        raise
+    return dep, client, {
+        "mode": "embedded", "address": dep.address, "num_units": num_units,
+        "state_dir": dep.state_dir, "host": cfg["host"], "timeout": float(cfg["timeout"]),
+        "units": client.unit_addresses, "incarnation": dep.incarnation,
+        "pids": dict(dep.pids), "metrics_port": dep.metrics_port, "owner_pid": os.getpid()}
 
 
 def close(*, cancel_dumps: bool = False) -> dict:
@@ -126,6 +187,30 @@ def close(*, cancel_dumps: bool = False) -> dict:
         return report
 
 
+def _set_compat(mode) -> None:
+    global _compat
+    mode = "tqtx" if mode is None else mode
+    if mode not in COMPAT_MODES:
+        raise ValueError(f"compat must be one of {list(COMPAT_MODES)}, got {mode!r}")
+    _compat = mode
+
+
+def get_metrics_endpoint() -> str | None:
+    """The controller's Prometheus endpoint ``host:port`` (unit k at port + 1 + k), or None
+    when metrics export is off or tqtx is not initialized (as in TransferQueue)."""
+    if _client is None:
+        return None
+    return _client.controller.call("TOPOLOGY").get("metrics_endpoint")
+
+
+def _refuse_data_parser(data_parser) -> None:
+    if data_parser is not None:
+        raise NotImplementedError(
+            "data_parser is not supported by tqtx: the callable would have to be shipped to "
+            "the storage units as code (pickle), which tqtx never does; parse the data "
+            "before kv_put / kv_batch_put")
+
+
 def get_client() -> Client:
     """The process-wide client (raises if :func:`init` was not called)."""
     if _client is None:
@@ -138,11 +223,15 @@ def _deployment_handle():
 
 
 # ---------------------------------------------------------------- kv
-def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None) -> KVBatchMeta:
-    """Put one sample: ``fields`` is a dict (tensors get a batch dim) or a TensorDict row."""
+def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
+           data_parser=None) -> KVBatchMeta:
+    """Put one sample: ``fields`` is a dict (tensors get a batch dim) or a TensorDict row.
+    ``data_parser`` is refused (NotImplementedError): it would ship code."""
     from . import tensors
+    _refuse_data_parser(data_parser)
     if not isinstance(key, str):
         raise TypeError(f"key must be str, got {type(key).__name__}")
+    check_utf8("key", key)
     check_partition(partition_id)
     if tag is not None and not isinstance(tag, dict):
         raise TypeError("tag must be a dict")
@@ -160,10 +249,12 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None) ->
     return _put([key], partition_id, columns, [tag] if tag is not None else None)
 
 
-def kv_batch_put(keys: list[str], partition_id: str, fields=None,
-                 tags: list[dict] | None = None) -> KVBatchMeta:
-    """Put a batch: ``fields`` is a TensorDict with batch_size == len(keys)."""
+def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
+                 tags: list[dict] | None = None, data_parser=None) -> KVBatchMeta:
+    """Put a batch: ``fields`` is a TensorDict (or dict) with batch_size == len(keys); one
+    str is one key. ``data_parser`` is refused (NotImplementedError): it would ship code."""
     from . import tensors
+    _refuse_data_parser(data_parser)
     keys = check_keys(keys)
     check_partition(partition_id)
     if tags is not None:
@@ -198,23 +289,53 @@ def _put(keys, pid, columns, tags) -> KVBatchMeta:
                        partition_id=pid, fields=fields)
 
 
-def kv_batch_get(keys: list[str], partition_id: str, select_fields=None):
-    """Get rows in request order as a TensorDict (dense, jagged nested, NonTensorStack)."""
+def _select_list(select_fields) -> list[str] | None:
+    if select_fields is None:
+        return None
+    if isinstance(select_fields, str):
+        return [select_fields]
+    return list(select_fields)
+
+
+def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
+    """Get rows in request order as a TensorDict (dense, jagged nested, NonTensorStack).
+
+    ``keys`` and ``select_fields``: a str or a list. An unknown key raises
+    KeysNotFoundError, a field not produced for every key FieldsNotFoundError (both
+    ValueErrors); with ``compat: "transferqueue"`` both are left out instead, and tensor
+    fields come back nested (jagged) as in TransferQueue (docs/compatibility.md)."""
     from . import tensors
     keys = check_keys(keys)
     check_partition(partition_id)
-    if select_fields is not None:
-        if isinstance(select_fields, str):
-            select_fields = [select_fields]
-        select_fields = list(select_fields)
-    columns, schemas = get_client().get_columns(keys, partition_id, select_fields)
-    return tensors.tensordict_from_columns(columns, schemas, len(keys))
+    select_fields = _select_list(select_fields)
+    if _compat != "transferqueue":
+        columns, schemas = get_client().get_columns(keys, partition_id, select_fields)
+        return tensors.tensordict_from_columns(columns, schemas, len(keys))
+    found, columns, schemas = get_client().get_rows(keys, partition_id, select_fields,
+                                                    lenient=True)
+    if len(found) != len(keys):
+        import logging
+        missing = sorted(set(keys) - set(found))
+        logging.getLogger("tqtx.api").warning(
+            "kv_batch_get: keys %s were not found in partition %r; they are left out",
+            missing[:20], partition_id)
+    return tensors.tensordict_from_columns(columns, schemas, len(found), layout="transferqueue")
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):
-    """Get the rows named by a :class:`KVBatchMeta` (its fields unless ``select_fields``)."""
-    fields = select_fields if select_fields is not None else (meta.fields or None)
-    return kv_batch_get(meta.keys, meta.partition_id, fields)
+    """Get the rows named by a :class:`KVBatchMeta` (its fields unless ``select_fields``,
+    a str or a list, each of which must be in ``meta.fields``)."""
+    from .errors import FieldsNotFoundError
+    if meta.partition_id is None:
+        raise ValueError("Must provide partition_id in the input KVBatchMeta.")
+    select = _select_list(select_fields)
+    if select is None:
+        return kv_batch_get(meta.keys, meta.partition_id, meta.fields or None)
+    absent = [f for f in select if f not in (meta.fields or ())]
+    if absent:
+        raise FieldsNotFoundError(f"select_fields {absent} not found in the KVBatchMeta's "
+                                  f"fields {list(meta.fields or ())}")
+    return kv_batch_get(meta.keys, meta.partition_id, select)
 
 
 def kv_list(partition_id: str | None = None) -> dict:
@@ -232,19 +353,30 @@ def kv_clear(keys: list[str], partition_id: str) -> None:
     keys = list(keys)
     if not keys:
         return None
+    check_utf8("keys", [k for k in keys if isinstance(k, str)])
     get_client().clear(keys, partition_id)
     return None
 
 
 # ---------------------------------------------------------------- checkpoint
-def save_checkpoint(checkpoint_dir, *, metadata: dict | None = None) -> dict:
-    """Save the whole system to ``checkpoint_dir`` (each unit writes its own file)."""
+def save_checkpoint(checkpoint_dir, *, include_storage: bool = True,
+                    metadata: dict | None = None) -> dict:
+    """Save the whole system to ``checkpoint_dir`` (each unit writes its own file).
+
+    ``metadata`` goes to ``metadata.json`` as ``{"storage_saved": true, "user_metadata":
+    metadata}``. ``include_storage=False`` has no effect (logged), as for TransferQueue's
+    in-memory SimpleStorage: without the rows a restart would lose them."""
     from .checkpoint import save
-    return save(get_client(), os.fspath(checkpoint_dir), metadata=metadata)
+    return save(get_client(), os.fspath(checkpoint_dir), metadata=metadata,
+                include_storage=include_storage)
 
 
 def load_checkpoint(checkpoint_dir) -> dict:
-    """Replace the whole system's state with a checkpoint (same unit count required)."""
+    """Replace the whole system's state with a checkpoint (same unit count required).
+
+    Returns ``{"dir", "metadata" (the user's), "storage_saved", "keys", "seconds"}``. A
+    missing directory, ``metadata.json`` or unit file raises DumpNotFoundError (a
+    FileNotFoundError) naming it, before anything is replaced."""
     from .checkpoint import load
     return load(get_client(), os.fspath(checkpoint_dir))
 
@@ -281,8 +413,10 @@ def read_row_index(dump_dir) -> dict:
     from . import tensors
     from .dump import format as fmt
     from .dump.publish import dump_lock, recover_publications
-    path = os.path.abspath(os.fspath(dump_dir))
-    if os.path.exists(path + ".lock") or os.path.exists(path + ".old"):
+    from .paths import check_path_arg, lock_path, old_path, siblings_writable
+    path = check_path_arg(dump_dir, "dump_dir")
+    # A read-only dump is read as it is: nothing can be published into it or recovered there.
+    if siblings_writable(path) and (lock_path(path).exists() or old_path(path).exists()):
         with dump_lock(path):
             recover_publications(path)
     out = fmt.read_row_index(path)

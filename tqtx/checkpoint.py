@@ -7,19 +7,23 @@ the dump format). Published like a dump: staged in a sibling, swapped via ``<dir
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
-from . import __version__
+from . import __version__, paths
 from .dump import format as fmt
 from .dump.publish import Publication, dump_lock, recover_publications
-from .errors import DumpFormatError
+from .errors import DumpFormatError, DumpNotFoundError
 from .journal.store import DumpJournal
 from .wire.codec import packb, unpackb
 from .wire.rpc import call_many, new_id
 
 FORMAT_VERSION = 1
 MANIFEST = "checkpoint_info.json"
+METADATA = "metadata.json"  # TransferQueue's layout: {"storage_saved", "user_metadata"}
+
+log = logging.getLogger("tqtx.checkpoint")
 
 
 def _write(path, data: bytes) -> dict:
@@ -30,14 +34,25 @@ def _write(path, data: bytes) -> dict:
     return {"size": len(data), "crc32": fmt.checksum(data)}
 
 
-def save(client, ckpt_dir: str, *, metadata: dict | None = None) -> dict:
+def save(client, ckpt_dir: str, *, metadata: dict | None = None,
+         include_storage: bool = True) -> dict:
     """See :func:`tqtx.save_checkpoint`."""
     t0 = time.perf_counter()
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    user_meta = json.dumps(metadata or {}, indent=2)  # fails early on non-JSON metadata
+    ckpt_dir = paths.check_path_arg(ckpt_dir, "checkpoint_dir")
+    paths.check_publish_target(ckpt_dir, "checkpoint")  # refuses before anything is touched
+    from .placement.probe import check_units_reach
+    check_units_reach(client, ckpt_dir, "checkpoint")  # no-op when all units are local
+    if not include_storage:
+        # As TransferQueue does for its in-memory SimpleStorage: a checkpoint without the
+        # units' rows would lose every row on restart.
+        log.warning("save_checkpoint(include_storage=False) has no effect: tqtx units hold "
+                    "their rows in memory, so the checkpoint always includes them")
+    # fails early on non-JSON metadata
+    user_meta = json.dumps({"storage_saved": True, "user_metadata": metadata or {}}, indent=2)
     snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
     with dump_lock(ckpt_dir):
         recover_publications(ckpt_dir)
+        paths.check_publish_target(ckpt_dir, "checkpoint")  # again, now under the lock
         with DumpJournal(ckpt_dir) as journal:
             pub = Publication(ckpt_dir, kind="checkpoint", dump_id=None, journal=journal)
             try:
@@ -52,7 +67,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None) -> dict:
                                   "rows": r["rows"], "index": {"file": f"units/unit-{u}.index",
                                                                **idx}})
                 ctl = _write(pub.staging_dir / "controller.msgpack", packb(snap["metadata"]))
-                _write(pub.staging_dir / "metadata.json", user_meta.encode())
+                _write(pub.staging_dir / METADATA, user_meta.encode())
                 manifest = {"format_version": FORMAT_VERSION, "kind": "tqtx-checkpoint",
                             "num_units": client.num_units, "tqtx_version": __version__,
                             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -72,6 +87,8 @@ def _read_checked(path, entry: dict) -> bytes:
     try:
         with open(path, "rb") as f:
             data = f.read()
+    except FileNotFoundError:
+        raise DumpNotFoundError(f"{path}: missing", path) from None
     except OSError as exc:
         raise DumpFormatError(f"{path}: cannot read: {exc}") from None
     if len(data) != entry["size"] or fmt.checksum(data) != entry["crc32"]:
@@ -90,6 +107,8 @@ def _verify_records(path: str, entries) -> None:
                 if len(data) != length or fmt.checksum(data) != crc:
                     raise DumpFormatError(f"{path}: record of global index {gidx} is truncated "
                                           f"or its checksum does not match")
+    except FileNotFoundError:
+        raise DumpNotFoundError(f"{path}: missing", path) from None
     except OSError as exc:
         raise DumpFormatError(f"{path}: cannot read: {exc}") from None
 
@@ -97,20 +116,19 @@ def _verify_records(path: str, entries) -> None:
 def load(client, ckpt_dir: str) -> dict:
     """See :func:`tqtx.load_checkpoint`."""
     t0 = time.perf_counter()
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    with dump_lock(ckpt_dir):
+    ckpt_dir = paths.check_path_arg(ckpt_dir, "checkpoint_dir")
+    with dump_lock(ckpt_dir, state_dir=client.topology["state_dir"]):
         recover_publications(ckpt_dir)
+        if not os.path.isdir(ckpt_dir):
+            raise DumpNotFoundError(f"checkpoint directory not found: {ckpt_dir}", ckpt_dir)
         mpath = os.path.join(ckpt_dir, MANIFEST)
-        try:
-            with open(mpath) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise DumpFormatError(f"{mpath}: missing (not a tqtx checkpoint)") from None
-        except ValueError as exc:
-            raise DumpFormatError(f"{mpath}: not valid JSON: {exc}") from None
+        manifest = _read_json(mpath, "missing (not a tqtx checkpoint)")
         if manifest.get("format_version") != FORMAT_VERSION:
-            raise DumpFormatError(f"{mpath}: format_version {manifest.get('format_version')} "
-                                  f"is not supported (this tqtx reads {FORMAT_VERSION})")
+            version = manifest.get("format_version")
+            raise DumpFormatError(f"{mpath}: format_version {version} is not supported (this "
+                                  f"tqtx reads {FORMAT_VERSION}; Unsupported checkpoint format "
+                                  f"version {version})")
+        saved = _read_metadata(ckpt_dir)
         if manifest["num_units"] != client.num_units:
             raise ValueError(f"unit count mismatch: checkpoint {ckpt_dir} was saved with "
                              f"{manifest['num_units']} units, this deployment has "
@@ -125,6 +143,8 @@ def load(client, ckpt_dir: str) -> dict:
             entries = unpackb(_read_checked(os.path.join(ckpt_dir, entry["index"]["file"]),
                                             entry["index"]))
             path = os.path.join(ckpt_dir, rel)
+            if not os.path.isfile(path):
+                raise DumpNotFoundError(f"{path}: unit file missing", path)
             if os.path.getsize(path) != entry["size"]:
                 raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
                                       f"{MANIFEST} ({entry['size']})")
@@ -143,7 +163,27 @@ def load(client, ckpt_dir: str) -> dict:
             raise
         client.fan_out("APPLY_CHECKPOINT", {u: {"load_id": load_id} for u in per_unit})
         client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta})
-    with open(os.path.join(ckpt_dir, "metadata.json")) as f:
-        user = json.load(f)
-    return {"dir": ckpt_dir, "metadata": user, "seconds": time.perf_counter() - t0,
+    return {"dir": ckpt_dir, "metadata": saved["user_metadata"],
+            "storage_saved": saved["storage_saved"], "seconds": time.perf_counter() - t0,
             "keys": sum(len(p["rows"]) for p in meta["partitions"].values())}
+
+
+def _read_metadata(ckpt_dir: str) -> dict:
+    """``metadata.json`` as ``{"storage_saved", "user_metadata"}``, read before anything is
+    replaced. (Checkpoints of earlier tqtx hold only the user's dict there.)"""
+    path = os.path.join(ckpt_dir, METADATA)
+    saved = _read_json(path, f"{METADATA} not found in {ckpt_dir}")
+    if isinstance(saved, dict) and set(saved) == {"storage_saved", "user_metadata"}:
+        return saved
+    return {"storage_saved": True, "user_metadata": saved}
+
+
+def _read_json(path: str, missing: str):
+    """A checkpoint's JSON file; DumpNotFoundError (``missing`` says why) or DumpFormatError."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DumpNotFoundError(f"{path}: {missing}", path) from None
+    except ValueError as exc:
+        raise DumpFormatError(f"{path}: not valid JSON: {exc}") from None

@@ -10,7 +10,12 @@ import click
 from . import __version__
 
 
-@click.group()
+# -h everywhere; subcommands inherit it (demo and bench pass their arguments, -h included,
+# to their own argparse parsers).
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+
+
+@click.group(context_settings=HELP_OPTIONS)
 @click.version_option(__version__, prog_name="tqtx")
 def main() -> None:
     """tqtx: transactional save/restore for RL data buffers."""
@@ -78,13 +83,22 @@ def controller(num_units, port, host, state_dir, insecure):
 @click.option("--controller", "controller_address", required=True, help="tcp://host:port")
 @click.option("--unit-id", type=int, required=True)
 @click.option("--port", type=int, default=0)
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind and announce (this host's address on the controller's network).")
+@click.option("--keys-dir", default=None,
+              help="The deployment's key dir (a copy of <state-dir>/keys); default $TQTX_KEYS_DIR.")
+@click.option("--node", default=None,
+              help="Node name reported by `tqtx stats` and in errors (default: the hostname).")
 @click.option("--insecure", is_flag=True)
-def unit(controller_address, unit_id, port, host, insecure):
-    """Run one storage unit that registers with a controller."""
+def unit(controller_address, unit_id, port, host, keys_dir, node, insecure):
+    """Run one storage unit that registers with a controller (see docs/deployment.md)."""
     from .storage.__main__ import main as run
     if insecure:
         os.environ["TQTX_INSECURE"] = "1"
+    if keys_dir:
+        os.environ["TQTX_KEYS_DIR"] = os.path.abspath(keys_dir)
+    if node:
+        os.environ["TQTX_NODE"] = node
     sys.exit(run(["--controller", controller_address, "--unit-id", str(unit_id), "--port",
                   str(port), "--host", host]))
 
@@ -115,6 +129,41 @@ def keys_init(state_dir, force):
 
 
 # ---------------------------------------------------------------- dumps
+NOT_A_DUMP_EXIT = 2  # no dump at that path at all; 1 means a dump that is damaged
+
+
+def _not_a_dump(dump_dir) -> str | None:
+    """Why ``dump_dir`` holds no dump at all (missing, a file, no manifest), else None."""
+    from .dump.format import MANIFEST
+    if not os.path.exists(dump_dir):  # a dangling symlink included
+        return f"no such dump directory: {dump_dir}"
+    if not os.path.isdir(dump_dir):
+        return f"not a dump directory: {dump_dir} is not a directory"
+    if not os.path.lexists(os.path.join(dump_dir, MANIFEST)):
+        return (f"not a tqtx dump: {dump_dir} has no {MANIFEST} (not a dump, or an "
+                f"unfinished one)")
+    return None
+
+
+def _refuse_not_a_dump(dump_dir, as_json, verify_report: bool = False) -> None:
+    """Exit 2 with a one-line reason when there is no dump at ``dump_dir``.
+
+    ``--json`` prints ``{"ok": false, "error": reason}``; for verify, also the keys of its
+    report (no records, the reason as the only error)."""
+    problem = _not_a_dump(dump_dir)
+    if problem is None:
+        return
+    if as_json:
+        out = {"ok": False, "error": problem}
+        if verify_report:
+            out.update(dump_dir=str(dump_dir), records=0, bytes=0, errors=[
+                {"file": str(dump_dir), "global_index": None, "key": None, "error": problem}])
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"error: {problem}", err=True)
+    sys.exit(NOT_A_DUMP_EXIT)
+
+
 def _read_dump(reader, dump_dir, as_json):
     """Run ``reader(dump_dir)``; an unreadable dump prints the error and exits 1."""
     from .errors import DumpFormatError
@@ -134,6 +183,7 @@ def _read_dump(reader, dump_dir, as_json):
 def inspect(dump_dir, as_json):
     """Summarize a dump: partition, keys, fields, shards, sample tags (reads no payload)."""
     from .dump.format import inspect_dump
+    _refuse_not_a_dump(dump_dir, as_json)
     info = _read_dump(inspect_dump, dump_dir, as_json)
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
@@ -165,6 +215,7 @@ def inspect(dump_dir, as_json):
 def verify(dump_dir, as_json):
     """Check every record's range and checksum; exit 1 naming the failing file/row."""
     from .dump.format import verify_dump
+    _refuse_not_a_dump(dump_dir, as_json, verify_report=True)
     report = _read_dump(verify_dump, dump_dir, as_json)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
@@ -180,8 +231,10 @@ def verify(dump_dir, as_json):
 # ---------------------------------------------------------------- operators
 @main.command()
 @click.option("--address", default=None, help="Controller address (default $TQTX_ADDRESS).")
+@click.option("--keys-dir", default=None,
+              help="Key dir of a CURVE deployment (default $TQTX_KEYS_DIR).")
 @click.option("--json", "as_json", is_flag=True)
-def stats(address, as_json):
+def stats(address, keys_dir, as_json):
     """Per-process statistics: uptime, rows, bytes, open restores, requests by type.
 
     ``--json`` prints one object ``{"controller": {...}, "units": [...], "client": {...}}``
@@ -190,7 +243,8 @@ def stats(address, as_json):
     address = address or os.environ.get("TQTX_ADDRESS")
     if not address:
         raise click.UsageError("give --address or set TQTX_ADDRESS")
-    client = Client(address, timeout=30)
+    from .security import attach_curve
+    client = Client(address, timeout=30, curve=attach_curve(address, keys_dir=keys_dir))
     try:
         data = client.stats()
     finally:

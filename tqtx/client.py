@@ -4,34 +4,44 @@ from __future__ import annotations
 import threading
 import time
 from math import prod
-from dataclasses import dataclass, field
 
-from .errors import TqtxError
-from .wire.rpc import DEFAULT_TIMEOUT, Peer, call_many
+from .errors import PeerDiedError, PeerTimeoutError, TqtxError
+from .wire.rpc import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Peer, call_many
 from .wire.values import DTYPE_SIZES, RawTensor
+from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
 
 
-@dataclass
-class KVBatchMeta:
-    """What a put returns and ``kv_batch_get_by_meta`` takes."""
-    keys: list = field(default_factory=list)
-    tags: list = field(default_factory=list)
-    partition_id: str | None = None
-    fields: list = field(default_factory=list)
-
-    def __len__(self):
-        return len(self.keys)
+def check_utf8(what: str, values) -> None:
+    """ValueError naming the first str of ``values`` that is not valid UTF-8 (a lone
+    surrogate such as ``"\\udcff"``, e.g. from ``os.fsdecode`` of a non-UTF-8 file name),
+    so it is refused before anything is sent instead of failing inside msgpack."""
+    if isinstance(values, str):
+        values = (values,)
+    try:
+        "".join(values).encode("utf-8")  # one pass; surrogates never pair across a join
+        return
+    except UnicodeEncodeError:
+        pass
+    for v in values:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{what}: {v!r} is not valid UTF-8 ({exc.reason}: "
+                             f"{v[exc.start]!r} at position {exc.start})") from None
 
 
 def check_keys(keys, what: str = "keys") -> list[str]:
+    """``keys`` as a list: one str is one key (as in TransferQueue); a non-empty list of
+    distinct str otherwise."""
     if isinstance(keys, str):
-        raise TypeError(f"{what} must be a list of str, not a single str")
+        keys = [keys]
     keys = list(keys)
     if not keys:
         raise ValueError(f"{what} must not be empty")
     bad = [k for k in keys if not isinstance(k, str)]
     if bad:
         raise TypeError(f"{what} must be str; got {type(bad[0]).__name__} {bad[0]!r}")
+    check_utf8(what, keys)
     if len(set(keys)) != len(keys):
         seen, dups = set(), []
         for k in keys:
@@ -45,6 +55,7 @@ def check_keys(keys, what: str = "keys") -> list[str]:
 def check_partition(pid) -> str:
     if not isinstance(pid, str) or not pid:
         raise TypeError(f"partition_id must be a non-empty str, got {pid!r}")
+    check_utf8("partition_id", pid)
     return pid
 
 
@@ -65,9 +76,11 @@ def unpack_column(col: dict) -> list:
     view = memoryview(buf.data)
     size = DTYPE_SIZES[dtype]
     out, at = [], 0
+    new = RawTensor.of  # per row and field: the checking constructor cost 0.04-0.12 s per 30k
     for shape in shapes:
+        shape = tuple(shape)
         n = prod(shape) * size
-        out.append(RawTensor(dtype, shape, view[at:at + n]))
+        out.append(new(dtype, shape, view[at:at + n]))
         at += n
     if at != view.nbytes:
         raise ValueError(f"packed column of {view.nbytes} bytes does not match its "
@@ -75,8 +88,35 @@ def unpack_column(col: dict) -> list:
     return out
 
 
+# Unit requests that may be sent again, to a unit's new address, after it died.
+IDEMPOTENT_UNIT_OPS = frozenset({"GET_ROWS", "GET_STATS", "STATS", "PING"})
+
+CONTROLLER_HINT = ("Restart the controller (or the whole deployment); a dump or restore it "
+                   "was running is settled by the next access or tqtx.recover_data_load(dump_dir)")
+
+
+class _ControllerPeer(Peer):
+    """The controller connection: a reply carrying a new topology incarnation makes the
+    client refresh its unit addresses before it talks to any unit."""
+
+    def __init__(self, client: "Client", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._client = client
+
+    def call(self, op, body=None, **kwargs):
+        result = super().call(op, body, **kwargs)
+        if op != "TOPOLOGY" and isinstance(result, dict) and "topology" in result:
+            self._client.follow_topology(result["topology"])
+        return result
+
+
 class Client:
-    """Talks to one deployment. Thread-safe: every thread gets its own sockets."""
+    """Talks to one deployment. Thread-safe: every thread gets its own sockets.
+
+    Unit addresses follow the controller's topology incarnation: a new one seen in a
+    reply (or a unit found dead) refreshes them, and every thread's unit connections
+    are replaced (``unit_generation``).
+    """
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT, deployment=None,
                  curve=None, wait_ready: float = 60.0):
@@ -87,6 +127,8 @@ class Client:
         self._local = threading.local()
         self._all_peers: list[Peer] = []
         self._peers_lock = threading.Lock()
+        self._topology_lock = threading.Lock()
+        self.unit_generation = 0  # bumped when unit addresses change
         # client-side totals: calls, rows and bytes per kind (see client_stats)
         self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}
                          for k in ("puts", "gets", "dumps", "restores")}
@@ -106,14 +148,22 @@ class Client:
         self.topology = topo
         self.num_units = topo["num_units"]
         self.unit_addresses = topo["units"]
+        self.topology_incarnation = topo.get("topology")
 
     # ---------------------------------------------------------------- peers
     def _liveness(self, name):
         return self.deployment.liveness(name) if self.deployment is not None else None
 
     def _new_peer(self, address, name) -> Peer:
-        p = Peer(address, name, timeout=self.timeout, liveness=self._liveness(name),
-                 curve=self.curve)
+        if name == "controller":  # no connect timeout: a client may attach before it listens
+            p = _ControllerPeer(self, address, name, timeout=self.timeout,
+                                liveness=self._liveness(name), curve=self.curve,
+                                hint=CONTROLLER_HINT)
+        else:
+            label = getattr(self.deployment, "peer_name", None)  # e.g. "unit 1 (node ...)"
+            p = Peer(address, label(name) if label else name, timeout=self.timeout,
+                     liveness=self._liveness(name),
+                     curve=self.curve, connect_timeout=CONNECT_TIMEOUT)
         with self._peers_lock:
             self._all_peers.append(p)
         return p
@@ -126,19 +176,46 @@ class Client:
         return p
 
     def unit(self, uid: int) -> Peer:
-        units = getattr(self._local, "units", None)
-        if units is None:
-            units = self._local.units = {}
+        local = self._local
+        units = getattr(local, "units", None)
+        if units is None or getattr(local, "generation", None) != self.unit_generation:
+            for old in (units or {}).values():
+                old.close()  # addresses changed since this thread connected
+            local.generation = self.unit_generation
+            units = local.units = {}
         p = units.get(uid)
         if p is None:
             p = units[uid] = self._new_peer(self.unit_addresses[uid], f"unit {uid}")
         return p
 
     def refresh_topology(self) -> None:
+        """Ask the controller for the unit addresses; connections to moved units are
+        replaced in every thread."""
         topo = self.controller.call("TOPOLOGY")
-        if topo["units"] != self.unit_addresses:
-            self.unit_addresses = topo["units"]
-            self._local.units = {}
+        with self._topology_lock:
+            if topo["units"] != self.unit_addresses:
+                self.unit_addresses = topo["units"]
+                self.unit_generation += 1
+            self.topology_incarnation = topo.get("topology")
+
+    def controller_watch(self, what: str):
+        """A ``call_many`` watch for a wait on units that only the controller can conclude:
+        raises PeerDiedError once this thread's controller connection closed (its process
+        exited or restarted) or its process exited; the message ends with ``what``."""
+        ctl = self.controller
+
+        def watch() -> None:
+            why = ctl.gone()
+            if why:
+                ctl.reset()
+                raise PeerDiedError(f"the controller at {self.address} is gone ({why}) "
+                                    f"while {what}")
+        return watch
+
+    def follow_topology(self, incarnation) -> None:
+        """Refresh the unit addresses if ``incarnation`` (from a controller reply) is new."""
+        if incarnation is not None and incarnation != self.topology_incarnation:
+            self.refresh_topology()
 
     def received_from_units(self) -> dict:
         """Frames and bytes received from units so far (headers counted separately)."""
@@ -160,9 +237,31 @@ class Client:
         return index % self.num_units
 
     def fan_out(self, op: str, per_unit: dict[int, dict], timeout: float | None = None) -> dict:
-        """One request per unit, all at once; waits for every unit, then raises the first error."""
+        """One request per unit, all at once; waits for every unit, then raises the first error.
+
+        A unit that is dead or silent makes the client re-read the topology; an idempotent
+        request is sent once more to a unit that re-registered at a new address.
+        """
         uids = sorted(per_unit)
-        results = call_many([(self.unit(u), op, per_unit[u]) for u in uids], timeout=timeout)
+        results = call_many([(self.unit(u), op, per_unit[u]) for u in uids], timeout=timeout,
+                            raise_first=False)
+        lost = [i for i, r in enumerate(results)
+                if isinstance(r, (PeerDiedError, PeerTimeoutError))]
+        if lost:
+            before = list(self.unit_addresses)
+            try:
+                self.refresh_topology()
+            except TqtxError:
+                pass  # the controller is unreachable too: report the unit's error
+            moved = [i for i in lost if self.unit_addresses[uids[i]] != before[uids[i]]]
+            if moved and op in IDEMPOTENT_UNIT_OPS:
+                again = call_many([(self.unit(uids[i]), op, per_unit[uids[i]]) for i in moved],
+                                  timeout=timeout, raise_first=False)
+                for i, r in zip(moved, again):
+                    results[i] = r
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
         return dict(zip(uids, results))
 
     # ---------------------------------------------------------------- kv
@@ -199,8 +298,17 @@ class Client:
 
     def get_columns(self, keys: list[str], pid: str, select_fields=None):
         """Fetch rows in request order: returns (columns, schemas)."""
-        meta = self.controller.call("LOOKUP", {"partition_id": pid, "keys": keys,
-                                               "select_fields": select_fields})
+        _, columns, schemas = self.get_rows(keys, pid, select_fields)
+        return columns, schemas
+
+    def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False):
+        """(keys found, columns, schemas) in request order. ``lenient`` (TransferQueue's
+        results): unknown keys, and fields not produced for every key, are left out."""
+        body = {"partition_id": pid, "keys": keys, "select_fields": select_fields}
+        if lenient:
+            body["lenient"] = True
+        meta = self.controller.call("LOOKUP", body)
+        keys = meta.get("keys", keys)
         fields, indexes = meta["fields"], meta["indexes"]
         columns = {f: Column([None] * len(keys)) for f in fields}
         if fields:
@@ -223,7 +331,7 @@ class Client:
                         out[p] = v
                     if "p" in col:
                         out.chunks.append((pos, col["p"][2]))
-        return columns, meta["schemas"]
+        return keys, columns, meta["schemas"]
 
     def list_keys(self, pid=None) -> dict:
         return self.controller.call("LIST", {"partition_id": pid})

@@ -42,11 +42,15 @@ class LocalDeployment:
     """A controller and ``num_units`` units as child processes of this one.
 
     Children exit when this process dies (they watch a pipe), and on :meth:`stop`.
+    With ``owner_record`` (default) it writes ``<state_dir>/deployment.json`` once ready,
+    so a bare ``tq.init()`` in another process attaches (see :mod:`tqtx.owner`); stop
+    removes it.
     """
 
     def __init__(self, *, num_units: int = 2, state_dir: str, host: str = "127.0.0.1",
                  port: int = 0, start_timeout: float = 60.0, env: dict | None = None,
-                 unit_env: dict | None = None, metrics: dict | None = None):
+                 unit_env: dict | None = None, metrics: dict | None = None,
+                 owner_record: bool = True):
         self.num_units = num_units
         self.state_dir = os.path.abspath(state_dir)
         self.host = host
@@ -61,8 +65,10 @@ class LocalDeployment:
             self.env.setdefault("TQTX_METRICS_HOST", metrics.get("host") or host)
         self.metrics_port = int(self.env["TQTX_METRICS_PORT"]) if self.env.get(
             "TQTX_METRICS_PORT", "").strip() else None
-        self.unit_env = unit_env or {}
+        # unit ids as ints: a config that went through JSON/OmegaConf has them as strings
+        self.unit_env = {int(k): v for k, v in (unit_env or {}).items()}
         self.stopped = False
+        self.record: dict | None = None  # the owner record this process wrote (tqtx.owner)
         log_dir = os.path.join(self.state_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
         try:
@@ -81,6 +87,9 @@ class LocalDeployment:
                     {**self.env, **self.unit_env.get(uid, {})})))
             for name, proc in procs:
                 self._ready(name, proc, start_timeout)
+            if owner_record:
+                from .owner import publish
+                self.record = publish(self)
         except BaseException:
             self.stop(graceful=False)
             raise
@@ -128,11 +137,33 @@ class LocalDeployment:
                                   os.path.join(self.state_dir, "logs", f"unit-{uid}.log")],
                            {**self.env, **(env or {})})
         self._ready(name, proc, timeout)
+        if self.record is not None:  # attached processes check the recorded pids
+            from .owner import publish
+            self.record = publish(self)
 
     def stop(self, graceful: bool = True, timeout: float = 10.0) -> None:
         if self.stopped:
             return
         self.stopped = True
+        lock = None
+        if self.record is not None and self.record.get("owner_pid") == os.getpid():
+            # Under the creation lock, so a concurrent tq.init() either attached before
+            # (and sees the processes go) or starts a new deployment after they are gone.
+            from . import owner
+            lock = owner.creation_lock(self.state_dir)
+            try:
+                owner.acquire(lock, timeout=30.0)
+            except TqtxError as exc:
+                log.warning("stopping without the creation lock: %s", exc)
+                lock = None
+            owner.withdraw(self, self.record)
+        try:
+            self._stop_processes(graceful, timeout)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _stop_processes(self, graceful: bool, timeout: float) -> None:
         procs = list(self.procs.items())
         if graceful:
             # units first, then the controller, so the journal records a clean end

@@ -6,8 +6,9 @@ class TqtxError(Exception):
     """Base class for tqtx-specific errors."""
 
 
-class KeysNotFoundError(KeyError, ValueError):
-    """Some requested keys do not exist in the partition."""
+class KeysNotFoundError(KeyError, ValueError, RuntimeError):
+    """Some requested keys do not exist in the partition (also a RuntimeError, which
+    TransferQueue's dump raises for unknown keys)."""
 
     def __init__(self, keys, partition_id=None):
         self.keys = list(keys)
@@ -20,6 +21,29 @@ class KeysNotFoundError(KeyError, ValueError):
 
     def __str__(self):
         return self.message
+
+
+class _MessageError(TqtxError):
+    """A tqtx error whose ``str`` is its message, unquoted even when it is a KeyError."""
+
+    def __str__(self):
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+
+class FieldsNotFoundError(_MessageError, KeyError, ValueError):
+    """``select_fields`` names a field that was not produced for every requested key.
+
+    A ValueError as in TransferQueue; also a KeyError, as tqtx raised before."""
+
+
+class PartitionNotFoundError(_MessageError, KeyError, RuntimeError):
+    """A partition named by a dump request does not exist (a RuntimeError in TransferQueue)."""
+
+
+class SchemaConflictError(_MessageError, ValueError, RuntimeError):
+    """New rows of a field do not match its schema (kind, dtype or number of dimensions).
+
+    A ValueError for puts; also the RuntimeError TransferQueue raises on load."""
 
 
 class PeerTimeoutError(TqtxError, TimeoutError):
@@ -38,8 +62,38 @@ class DumpFormatError(TqtxError, ValueError):
     """A dump is corrupt, truncated, of an unknown version or otherwise unreadable."""
 
 
+class DumpNotFoundError(DumpFormatError, FileNotFoundError):
+    """A dump's or checkpoint's directory or one of its files is missing; names the path
+    (``filename``). A FileNotFoundError, as TransferQueue raises."""
+
+    def __init__(self, message: str = "", filename=None):
+        super().__init__(message)
+        if filename is not None:
+            self.filename = str(filename)
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
 class StateDirInUseError(TqtxError, RuntimeError):
     """Another live controller owns the state directory."""
+
+
+class TargetNotADumpError(TqtxError, FileExistsError):
+    """A dump or checkpoint target path holds something tqtx did not make (a user's
+    directory, file or symlink); tqtx refuses to replace it. ``path`` names it."""
+
+    def __init__(self, message: str, *, path=None):
+        super().__init__(message)
+        self.path = path
+
+
+class ReadOnlyDumpError(TqtxError, PermissionError):
+    """A dump or checkpoint cannot be published at a path on read-only storage."""
+
+    def __init__(self, message: str, *, path=None):
+        super().__init__(message)
+        self.path = path
 
 
 class RestorePendingError(RuntimeError):

@@ -4,8 +4,9 @@
 ``kill`` (SIGKILL this process), ``raise`` (raise InjectedFault), ``drop-reply``
 (the server handling the current request sends no reply), ``delay:S`` (sleep S seconds).
 A point may carry ``@N`` to fire only on its N-th hit (1-based), e.g.
-``unit.load.after_stage@2:kill``. With the variable unset, :func:`hit` is a dict lookup
-on an empty dict.
+``unit.load.after_stage@2:kill``. A point listed more than once runs its actions in
+order, e.g. ``P:delay:0.5,P:kill`` (wait, then die: lets the other units go past P first).
+With the variable unset, :func:`hit` is a dict lookup on an empty dict.
 """
 from __future__ import annotations
 
@@ -24,15 +25,15 @@ class DropReply(Exception):
     """Raised by a fault point whose action is ``drop-reply``; servers swallow the reply."""
 
 
-def _parse(spec: str) -> dict[str, tuple[str, int]]:
-    table: dict[str, tuple[str, int]] = {}
+def _parse(spec: str) -> dict[str, list[tuple[str, int]]]:
+    table: dict[str, list[tuple[str, int]]] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         point, _, action = item.partition(":")
         nth = 0
         if "@" in point:
             point, _, n = point.partition("@")
             nth = int(n)
-        table[point] = (action, nth)
+        table.setdefault(point, []).append((action, nth))
     return table
 
 
@@ -51,13 +52,16 @@ def hit(point: str) -> None:
     """Trigger the action configured for ``point``, if any."""
     if not _TABLE:
         return
-    entry = _TABLE.get(point)
-    if entry is None:
+    entries = _TABLE.get(point)
+    if entries is None:
         return
-    action, nth = entry
     count = _HITS[point] = _HITS.get(point, 0) + 1
-    if nth and count != nth:
-        return
+    for action, nth in entries:
+        if not nth or count == nth:
+            _act(point, action)
+
+
+def _act(point: str, action: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)  # SIGKILL is asynchronous on some systems

@@ -295,12 +295,13 @@ def render_stats(data: dict, console=None) -> None:
     con = console or Console()
     procs = [("controller", data["controller"])] + [
         (f"unit {u.get('unit_id')}", u) for u in data.get("units", [])]
-    t = Table("process", "pid", "uptime s", "rows", "bytes", "open restores",
+    t = Table("process", "pid", "node", "uptime s", "rows", "bytes", "open restores",
               title="tqtx processes")
     for name, p in procs:
         opened = p.get("open_restores") if p.get("role") == "controller" else \
             p.get("staged_restores", [])
-        t.add_row(name, str(p.get("pid", "-")), f"{p.get('uptime', 0):.0f}",
+        t.add_row(name, str(p.get("pid", "-")), str(p.get("node") or "-")[:16],
+                  f"{p.get('uptime', 0):.0f}",
                   str(p.get("rows", p.get("keys", "-"))), str(p.get("bytes", "-")),
                   str(len(opened or [])))
     con.print(t)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from .client import check_utf8
 from .wire.values import DTYPE_SIZES, RawTensor
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
@@ -27,14 +28,33 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def to_raw(t: torch.Tensor) -> RawTensor:
-    """A RawTensor viewing ``t``'s bytes (copied only if ``t`` is not contiguous on CPU)."""
+def _plain(t: torch.Tensor, field) -> torch.Tensor:
+    """``t`` detached, on CPU, with conj / neg views materialized (they hold a valid value).
+    Tensors without strided bytes to store (sparse, mkldnn, meta, quantized) are a TypeError
+    naming the field, raised before anything is sent."""
     t = t.detach()
+    where = f"field {field!r}: " if field is not None else ""
+    if t.layout != torch.strided:
+        raise TypeError(f"{where}{str(t.layout).removeprefix('torch.')} tensors cannot be "
+                        f"stored, only dense (strided) ones; convert with .to_dense()")
+    if t.is_meta:
+        raise TypeError(f"{where}meta tensors have no data to store")
+    if t.is_quantized:
+        raise TypeError(f"{where}quantized tensors ({t.dtype}) cannot be stored; store "
+                        f".dequantize() or .int_repr() with its scale and zero point")
+    if str(t.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+        raise TypeError(f"{where}unsupported tensor dtype {t.dtype}")
     if t.device.type != "cpu":
         t = t.cpu()
+    return t.resolve_conj().resolve_neg()
+
+
+def to_raw(t: torch.Tensor, field=None) -> RawTensor:
+    """A RawTensor viewing ``t``'s bytes (copied only if ``t`` is not contiguous on CPU)."""
     if t.is_nested:
-        raise TypeError("nested tensors are only supported as batch columns")
-    t = t.contiguous()
+        where = f"field {field!r}: " if field is not None else ""
+        raise TypeError(f"{where}nested tensors are only supported as batch columns")
+    t = _plain(t, field).contiguous()
     return RawTensor(dtype_name(t.dtype), t.shape, _byte_view(t))
 
 
@@ -49,10 +69,13 @@ def from_raw(r: RawTensor) -> torch.Tensor:
 
 def encode_object(value, field: str):
     """Check a non-tensor value is msgpack-able; convert tensors inside it to RawTensors."""
-    if value is None or isinstance(value, (str, bytes, bool, int, float)):
+    if isinstance(value, str):
+        check_utf8(f"field {field!r}", value)
+        return value
+    if value is None or isinstance(value, (bytes, bool, int, float)):
         return value
     if isinstance(value, torch.Tensor):
-        return to_raw(value)
+        return to_raw(value, field)
     if isinstance(value, (list, tuple)):
         return [encode_object(v, field) for v in value]
     if isinstance(value, dict):
@@ -79,6 +102,54 @@ def decode_object(value):
     return value
 
 
+# A row of a non-tensor field never is a bare RawTensor (a unit or a dump record would take
+# it for a tensor field), so a tensor that is a whole row travels as {_TENSOR: tensor}; a
+# user's dict that looks like one of these wrappers travels inside {_ESCAPED: dict}.
+_TENSOR = "__tqtx_tensor__"
+_ESCAPED = "__tqtx_escaped__"
+
+
+def encode_field_object(value, field: str):
+    """One row of a non-tensor field, without pickle (see :func:`encode_object`)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return {_TENSOR: encode_object(value, field)}
+    out = encode_object(value, field)
+    if isinstance(out, dict) and len(out) == 1 and next(iter(out)) in (_TENSOR, _ESCAPED):
+        return {_ESCAPED: out}
+    return out
+
+
+def decode_field_object(value):
+    """Inverse of :func:`encode_field_object`."""
+    if isinstance(value, dict) and len(value) == 1:
+        if isinstance(value.get(_TENSOR), RawTensor):
+            return from_raw(value[_TENSOR])
+        if _ESCAPED in value:
+            return decode_object(value[_ESCAPED])
+    return decode_object(value)
+
+
+def _column_of_values(values: list, field: str) -> list:
+    """Per-row values of a non-tensor-typed column (NonTensorStack / NonTensorData).
+
+    Tensors of one dtype and rank make a tensor field (as before). A column mixing tensors
+    of different dtypes or ranks, or tensors with other values, becomes a non-tensor field
+    (every row kept exactly, tensors with their dtypes) with a warning."""
+    is_tensor = [isinstance(v, (torch.Tensor, np.ndarray)) for v in values]
+    if not any(is_tensor):
+        return [encode_field_object(v, field) for v in values]
+    if all(is_tensor):
+        rows = [encode_object(v, field) for v in values]
+        if len({(r.dtype, len(r.shape)) for r in rows}) == 1:
+            return rows
+        why = "tensors of different dtypes or ranks"
+    else:
+        why = "tensors and non-tensor values"
+    warnings.warn(f"field {field!r} mixes {why}; it is stored as a non-tensor field "
+                  f"(each row comes back as it was put, in a NonTensorStack)", stacklevel=4)
+    return [encode_field_object(v, field) for v in values]
+
+
 def column_schema(values: list) -> dict:
     """Field schema of one batch column of RawTensors or objects."""
     tensors = sum(1 for v in values if isinstance(v, RawTensor))
@@ -97,11 +168,8 @@ def column_schema(values: list) -> dict:
             "jagged": shape is None, "ndim": ndims.pop()}
 
 
-def _rows_of_dense(t: torch.Tensor) -> list[RawTensor]:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+def _rows_of_dense(t: torch.Tensor, field=None) -> list[RawTensor]:
+    t = _plain(t, field).contiguous()
     n = t.shape[0]
     row_shape = tuple(t.shape[1:])
     name = dtype_name(t.dtype)
@@ -110,7 +178,7 @@ def _rows_of_dense(t: torch.Tensor) -> list[RawTensor]:
     return [RawTensor(name, row_shape, view[i * rs:(i + 1) * rs]) for i in range(n)]
 
 
-def _rows_of_nested(t: torch.Tensor) -> list[RawTensor]:
+def _rows_of_nested(t: torch.Tensor, field=None) -> list[RawTensor]:
     if t.layout == torch.jagged and t._ragged_idx == 1:
         values = t.values().detach().cpu().contiguous()
         offsets = t.offsets().tolist()
@@ -124,7 +192,7 @@ def _rows_of_nested(t: torch.Tensor) -> list[RawTensor]:
         return [RawTensor(name, (lengths[i], *rest),
                           view[offsets[i] * per:(offsets[i] + lengths[i]) * per])
                 for i in range(len(lengths))]
-    return [to_raw(x) for x in t.unbind()]
+    return [to_raw(x, field) for x in t.unbind()]
 
 
 def columns_from_tensordict(td: TensorDict, n: int) -> dict[str, list]:
@@ -138,14 +206,16 @@ def columns_from_tensordict(td: TensorDict, n: int) -> dict[str, list]:
     for field in td.keys(include_nested=False, leaves_only=False):
         if not isinstance(field, str):
             raise TypeError(f"field names must be str, got {field!r}")
+        check_utf8("field names", field)
         col = td.get(field)
         if isinstance(col, NonTensorStack):
-            columns[field] = [encode_object(v, field) for v in col.tolist()]
+            columns[field] = _column_of_values(col.tolist(), field)
         elif isinstance(col, NonTensorData):
             data = col.tolist() if hasattr(col, "tolist") else [col.data] * n
-            columns[field] = [encode_object(v, field) for v in data]
+            columns[field] = _column_of_values(data, field)
         elif isinstance(col, torch.Tensor):
-            columns[field] = _rows_of_nested(col) if col.is_nested else _rows_of_dense(col)
+            columns[field] = (_rows_of_nested(col, field) if col.is_nested
+                              else _rows_of_dense(col, field))
         elif isinstance(col, TensorDict):
             raise TypeError(f"field {field!r}: nested TensorDicts are not supported; flatten "
                             f"them with td.flatten_keys()")
@@ -160,10 +230,15 @@ def columns_from_dict(fields: dict) -> dict[str, list]:
     for field, value in fields.items():
         if not isinstance(field, str):
             raise TypeError(f"field names must be str, got {field!r}")
-        if isinstance(value, torch.Tensor) and not value.is_nested:
-            columns[field] = [to_raw(value)]
+        check_utf8("field names", field)
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            # TransferQueue's error too: a nested tensor is a batch, not one sample
+            raise ValueError(f"field {field!r}: kv_put takes one sample, got a nested tensor; "
+                             f"use kv_batch_put for a batch")
+        if isinstance(value, torch.Tensor):
+            columns[field] = [to_raw(value, field)]
         else:
-            columns[field] = [encode_object(value, field)]
+            columns[field] = [encode_field_object(value, field)]
     return columns
 
 
@@ -193,7 +268,7 @@ def _scatter_packed(out: torch.Tensor, values) -> bool:
 def assemble_column(values: list, schema: dict):
     """Build a batch column: dense tensor, jagged nested tensor or NonTensorStack."""
     if schema.get("kind") != "tensor" or not values or not isinstance(values[0], RawTensor):
-        return NonTensorStack(*[decode_object(v) for v in values]) if values else None
+        return NonTensorStack(*[decode_field_object(v) for v in values]) if values else None
     dtype = _TORCH_DTYPES[values[0].dtype]
     shapes = {v.shape for v in values}
     if len(shapes) == 1:
@@ -225,11 +300,28 @@ def assemble_column(values: list, schema: dict):
     return torch.nested.nested_tensor([from_raw(v) for v in values])
 
 
-def tensordict_from_columns(columns: dict, schemas: dict, n: int) -> TensorDict:
+def _transferqueue_layout(col):
+    """A column as TransferQueue 0.1.11 returns it: rows of one or more dimensions as a
+    jagged nested tensor even when their shapes agree (strided nested if that fails)."""
+    if not isinstance(col, torch.Tensor) or col.dim() < 2 or col.is_nested:
+        return col
+    rows = list(col.unbind(0))
+    try:
+        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    except (RuntimeError, TypeError):
+        return torch.nested.as_nested_tensor(rows, layout=torch.strided)
+
+
+def tensordict_from_columns(columns: dict, schemas: dict, n: int, *,
+                            layout: str = "tqtx") -> TensorDict:
+    """A batch from GET_ROWS columns. ``layout="transferqueue"``: tensor fields come back
+    nested (jagged) as in TransferQueue, even with uniform shapes; default: dense then."""
     td = TensorDict({}, batch_size=[n])
     for field, values in columns.items():
         col = assemble_column(values, schemas.get(field, {}))
         if col is None:
             continue
+        if layout == "transferqueue":
+            col = _transferqueue_layout(col)
         td.set(field, col)
     return td

@@ -70,7 +70,8 @@ def test_round_trip_replaces_whole_state(shared, tmp_path):
     info = tq.save_checkpoint(ckpt, metadata={"step": 42, "note": "before"})
     assert info["num_units"] == 3 and info["keys"] == 9
     # on-disk layout
-    assert json.loads((ckpt / "metadata.json").read_text()) == {"step": 42, "note": "before"}
+    assert json.loads((ckpt / "metadata.json").read_text()) == {
+        "storage_saved": True, "user_metadata": {"step": 42, "note": "before"}}
     manifest = json.loads((ckpt / "checkpoint_info.json").read_text())
     assert manifest["kind"] == "tqtx-checkpoint" and manifest["num_units"] == 3
     assert (ckpt / "controller.msgpack").is_file()
@@ -120,7 +121,8 @@ def test_empty_state_round_trip(shared, tmp_path):
     populate()
     tq.load_checkpoint(ckpt)
     assert tq.kv_list() == {}
-    assert json.loads((ckpt / "metadata.json").read_text()) == {}
+    assert json.loads((ckpt / "metadata.json").read_text()) == {
+        "storage_saved": True, "user_metadata": {}}
 
 
 def test_save_over_existing_checkpoint(shared, tmp_path):
@@ -129,7 +131,7 @@ def test_save_over_existing_checkpoint(shared, tmp_path):
     tq.save_checkpoint(ckpt, metadata={"v": 1})
     tq.kv_put("b", "p", {"x": torch.zeros(1)})
     tq.save_checkpoint(ckpt, metadata={"v": 2})
-    assert json.loads((ckpt / "metadata.json").read_text()) == {"v": 2}
+    assert json.loads((ckpt / "metadata.json").read_text())["user_metadata"] == {"v": 2}
     assert not (tmp_path / "ckpt.old").exists()
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
     wipe()
@@ -146,17 +148,30 @@ def test_non_json_metadata_refused_before_writing(shared, tmp_path):
 
 def test_crash_left_old_dir_is_recovered_on_load(shared, tmp_path):
     """A crash between moving the previous checkpoint to <dir>.old and renaming the new one
-    into place leaves only <dir>.old: the next access puts it back."""
+    into place leaves only <dir>.old: the next access puts it back. A ``.tmp-*`` that no
+    journal row accounts for is not tqtx's and stays."""
     exp = populate()
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(ckpt, metadata={"gen": 1})
+    _journal_crashed_attempt(ckpt, "deadbeef0000", "synced")
     os.rename(ckpt, tmp_path / "ckpt.old")
-    (tmp_path / "ckpt.tmp-deadbeef0000").mkdir()  # a half-written staging dir
+    (tmp_path / "ckpt.tmp-deadbeef0000").mkdir()  # its half-written staging dir
+    (tmp_path / "ckpt.tmp-mine").mkdir()  # a user's
     wipe()
     assert tq.load_checkpoint(ckpt)["metadata"] == {"gen": 1}
     assert ckpt.is_dir() and not (tmp_path / "ckpt.old").exists()
     assert not (tmp_path / "ckpt.tmp-deadbeef0000").exists()
+    assert (tmp_path / "ckpt.tmp-mine").is_dir()
     check(exp)
+
+
+def _journal_crashed_attempt(ckpt, attempt_id: str, phase: str) -> None:
+    """Journal a publication attempt of ``ckpt`` left at ``phase`` (as a crash leaves it)."""
+    from tqtx.journal.store import DumpJournal
+    with DumpJournal(ckpt) as j:
+        j.begin_publication(attempt_id=attempt_id, kind="checkpoint", dump_id=None,
+                            staging_dir=f"{ckpt}.tmp-{attempt_id}")
+        j.set_phase(attempt_id, phase)
 
 
 def test_crash_left_old_dir_is_recovered_on_save(shared, tmp_path):
@@ -164,17 +179,18 @@ def test_crash_left_old_dir_is_recovered_on_save(shared, tmp_path):
     tq.kv_put("a", "p", {"x": torch.ones(1)})
     tq.save_checkpoint(ckpt, metadata={"gen": 1})
     # crash after publishing the new one but before deleting .old
+    _journal_crashed_attempt(ckpt, "deadbeef0001", "published")
     shutil.copytree(ckpt, tmp_path / "ckpt.old")
     tq.save_checkpoint(ckpt, metadata={"gen": 2})
     assert not (tmp_path / "ckpt.old").exists()
-    assert json.loads((ckpt / "metadata.json").read_text()) == {"gen": 2}
+    assert json.loads((ckpt / "metadata.json").read_text())["user_metadata"] == {"gen": 2}
 
 
 def test_corrupt_or_missing_checkpoint_leaves_state_alone(shared, tmp_path):
     exp = populate()
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(ckpt)
-    with pytest.raises(DumpFormatError, match="checkpoint_info.json"):
+    with pytest.raises(DumpFormatError, match="checkpoint directory not found.*nothing-here"):
         tq.load_checkpoint(tmp_path / "nothing-here")
     ctl = ckpt / "controller.msgpack"
     data = bytearray(ctl.read_bytes())

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import tqtx as tq
-from tqtx import PeerDiedError, PeerTimeoutError, StateDirInUseError
+from tqtx import PeerDiedError, PeerTimeoutError
 
 
 # ---------------------------------------------------------------- helpers
@@ -219,27 +219,33 @@ def test_unit_killed_raises_peer_died_quickly(tq_start):
     assert time.monotonic() - t0 < 5
 
 
-def test_state_dir_in_use_by_another_process(served, attach):
+def test_bare_init_attaches_to_the_serve_deployment_of_its_state_dir(served, attach):
+    """`tqtx serve` owns the state dir: init() there attaches instead of failing."""
     tq.close()
-    with pytest.raises(StateDirInUseError) as ei:
-        tq.init({"state_dir": served["state_dir"]})
-    assert served["state_dir"] in str(ei.value)
-    assert "state dir" in str(ei.value)
-    with pytest.raises(tq.TqtxError, match="not initialized"):
-        tq.get_client()
-    # the running deployment is unharmed
+    try:
+        cfg = tq.init({"state_dir": served["state_dir"]})
+        assert cfg["mode"] == "attached" and cfg["address"] == served["address"]
+        assert cfg["state_dir"] == served["state_dir"]
+    finally:
+        tq.close()
+    # only disconnected: the running deployment is unharmed
+    assert all(alive(p) for p in served["pids"].values())
     cfg = attach(served["address"])
     assert cfg["state_dir"] == served["state_dir"]
 
 
-def test_state_dir_in_use_by_embedded_subprocess(tmp_path):
+def test_init_attaches_to_embedded_deployment_of_another_process(tmp_path):
     tq.close()
     state = tmp_path / "s"
     proc, pids = _spawn_embedded(state, "sleep")
     try:
-        with pytest.raises(StateDirInUseError, match="state dir"):
-            tq.init({"state_dir": str(state)})
+        cfg = tq.init({"state_dir": str(state)})
+        assert cfg["mode"] == "attached" and cfg["owner_pid"] == proc.pid
+        assert cfg["pids"] == pids
+        tq.close()
+        assert all(alive(p) for p in pids.values())
     finally:
+        tq.close()
         proc.kill()
         proc.wait()
         proc.stdout.close()

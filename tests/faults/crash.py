@@ -20,6 +20,8 @@ from tqtx import RestorePendingError, api
 from tqtx.errors import PeerTimeoutError
 from tqtx.dump import format as fmt
 
+import treehash
+
 T = 5.0                       # client request timeout in every matrix deployment
 FINAL = {"committed", "aborted", "cancelled", "failed"}
 UNIT_FINAL = {"applied", "failed", "dropped"}
@@ -80,6 +82,50 @@ def alive(pid: int) -> bool:
         return False
 
 
+def tqtx_own(tmp_path, dump, *, dump_too: bool):
+    """Which paths under the test dir are tqtx's: the state dirs, the dump's lock and
+    journal files and, for a dump case, the dump directory itself (a restore must leave
+    the dump byte-identical)."""
+    own = treehash.tqtx_own(tmp_path, dump)
+    name = os.path.basename(str(dump))
+
+    def allowed(rel: str) -> bool:
+        top = rel.split(os.sep, 1)[0]
+        if top in ("state", "ref-state"):
+            return True
+        if top == name:
+            return dump_too
+        return own(rel)
+    return allowed
+
+
+def plant_user_files(tmp_path, dump_name: str) -> None:
+    """Files that are not tqtx's, around the dump path (look-alike names included)."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / (dump_name + ".txt")).write_text("not a dump")
+    (tmp_path / (dump_name + "-user")).mkdir()
+    (tmp_path / (dump_name + "-user") / "a.bin").write_bytes(b"\x00\x01" * 50)
+    os.symlink("notes.txt", tmp_path / "link-to-notes")
+
+
+def assert_listed_readable(expected: dict, exempt: set) -> None:
+    """Invariant: every listed key of every partition is expected, and its row reads back
+    with the expected values. ``expected[pid][key]`` is a row dict ({} for a key without
+    fields); ``exempt`` holds (pid, key) of rows that died with a restarted unit (the only
+    documented loss: a unit's memory)."""
+    listed = tq.kv_list()
+    for pid, keys in listed.items():
+        want = expected.get(pid, {})
+        unexpected = sorted(k for k in keys if k not in want and (pid, k) not in exempt)
+        assert not unexpected, f"partition {pid!r} lists unexpected keys {unexpected}"
+        readable = [k for k in keys if (pid, k) not in exempt and want.get(k)]
+        for k in readable:
+            row = want[k]
+            got = rows_of(tq.kv_batch_get([k], pid, select_fields=sorted(row)))[0]
+            for f, v in row.items():
+                assert_same_value(v, got[f], f"{pid}/{k}.{f}")
+
+
 def where(point: str) -> str:
     if point.startswith(("client.", "publish.")):
         return "client"
@@ -90,11 +136,17 @@ class Run:
     """One deployment lifecycle of a matrix case: start, crash, recover, check, close."""
 
     FAULTY_UNIT = 1
+    ROLE_DELAY = 0.5   # how long the other unit (or the faulty one) is held at the point
 
-    def __init__(self, tmp_path, point: str, action: str, nth: int):
+    def __init__(self, tmp_path, point: str, action: str, nth: int, role: str | None = None):
+        """``role`` of the faulty unit: "first" (reaches the point while the other unit is
+        held there), "last" (held at the point while the other unit goes on), "alone"
+        (a 1-unit deployment); None: unit 1 of 2, no ordering."""
         self.tmp = tmp_path
-        self.point, self.action, self.nth = point, action, nth
+        self.point, self.action, self.nth, self.role = point, action, nth, role
         self.spec = f"{point}@{nth}:{action}"
+        self.num_units = 1 if role == "alone" else 2
+        self.FAULTY_UNIT = 0 if role == "alone" else 1
         self.side = where(point)
         self.pids: set[int] = set()
         self.state_dir = str(tmp_path / "state")
@@ -108,9 +160,14 @@ class Run:
         if faults and self.side == "controller":
             env = {"TQTX_FAULTS": self.spec}
         if faults and self.side == "unit":
-            unit_env = {self.FAULTY_UNIT: {"TQTX_FAULTS": self.spec}}
+            hold = f"{self.point}@{self.nth}:delay:{self.ROLE_DELAY}"
+            unit_env = {self.FAULTY_UNIT: {"TQTX_FAULTS": (
+                f"{hold},{self.spec}" if self.role == "last" else self.spec)}}
+            if self.role == "first":
+                unit_env[1 - self.FAULTY_UNIT] = {"TQTX_FAULTS": hold}
         tq.close()
-        self.cfg = tq.init({"num_units": 2, "state_dir": self.state_dir, "timeout": T,
+        self.cfg = tq.init({"num_units": self.num_units, "state_dir": self.state_dir,
+                            "timeout": T,
                             "env": env, "unit_env": unit_env})
         self._note_pids()
         return self.cfg
@@ -184,7 +241,7 @@ class Run:
 
     def units_clean(self) -> None:
         client = tq.get_client()
-        for u in range(2):
+        for u in range(self.num_units):
             st = client.unit(u).call("STATS")
             assert st["staged_restores"] == [], (u, st)
         assert tq.get_client().controller.call("STATS")["open_restores"] == []
@@ -210,17 +267,27 @@ DUMP_KEYS = [f"s{i}" for i in range(12)]
 OLD_KEYS, NEW_KEYS = DUMP_KEYS[:5], DUMP_KEYS[5:]
 
 
-def dump_case(tmp_path, point: str, action: str) -> dict:
+def _owners(pid: str, keys) -> dict:
+    res = tq.get_client().controller.call("LOOKUP", {"partition_id": pid, "keys": list(keys)})
+    return {k: i % res["num_units"] for k, i in zip(keys, res["indexes"])}
+
+
+def dump_case(tmp_path, point: str, action: str, role: str | None = None) -> dict:
     # server-side points are hit once by the first (old) dump: fire on the second
     nth = 1 if where(point) == "client" else 2
-    run = Run(tmp_path, point, action, nth)
+    run = Run(tmp_path, point, action, nth, role)
     d = tmp_path / "d"
+    plant_user_files(tmp_path, "d")
+    own = tqtx_own(tmp_path, d, dump_too=True)
     run.start()
     try:
         keys, td, tags = rollout_batch(len(DUMP_KEYS))
         tq.kv_batch_put(keys, "p", td, tags=tags)
         ref = tq.kv_batch_get(keys, "p")
+        ref_rows = dict(zip(keys, rows_of(ref)))
+        owner = _owners("p", keys)
         old = tq.dump_data_by_key(d, OLD_KEYS, "p")
+        tree = treehash.snapshot(tmp_path)
         run.run_op(lambda: tq.dump_data_by_key(d, NEW_KEYS, "p"),
                    ["dump", str(d), ",".join(NEW_KEYS)])
         run.check_fired()
@@ -236,6 +303,12 @@ def dump_case(tmp_path, point: str, action: str) -> dict:
         assert siblings(d) == [], siblings(d)
         assert_journals_final(run.cfg["state_dir"], d)
         assert_lock_free(str(d) + ".lock")
+        treehash.assert_unchanged(tree, treehash.snapshot(tmp_path), own)
+        # every listed key reads back unchanged, but for the rows of a restarted unit
+        lost = set(range(run.num_units)) if "job" in run.restarted else {
+            int(n.split()[1]) for n in run.restarted}
+        assert_listed_readable({"p": ref_rows},
+                               {("p", k) for k in keys if owner[k] in lost})
         if not run.restarted:
             # the dump never changes live data
             got = tq.kv_batch_get(keys, "p")
@@ -295,11 +368,14 @@ def _settle(run: Run, dump: str) -> bool:
 MINE = torch.full((4,), 3.0)
 
 
-def restore_case(tmp_path, ref: dict, point: str, action: str) -> dict:
-    run = Run(tmp_path, point, action, 1)
+def restore_case(tmp_path, ref: dict, point: str, action: str, role: str | None = None) -> dict:
+    run = Run(tmp_path, point, action, 1, role)
     dump = _copy_dump(ref["path"], tmp_path / "dump")
     sel = ref["sel"]
     restored = set(sel) | {"tag-only"}
+    plant_user_files(tmp_path, "dump")
+    own = tqtx_own(tmp_path, dump, dump_too=False)   # a restore changes nothing in the dump
+    tree = treehash.snapshot(tmp_path)
     run.start()
     try:
         client = tq.get_client()
@@ -307,7 +383,7 @@ def restore_case(tmp_path, ref: dict, point: str, action: str) -> dict:
         tq.kv_put("s1", "p", {"obs": MINE}, tag={"status": "mine"})
         tq.kv_put("by", "p", {"obs": torch.ones(4)}, tag={"b": 1})
         tq.kv_put("z", "other", {"z": torch.arange(5)}, tag={"o": 2})
-        owner = {k: i % 2 for k, i in zip(
+        owner = {k: i % run.num_units for k, i in zip(
             ["s1", "by", "z"],
             client.controller.call("LOOKUP", {"partition_id": "p", "keys": ["s1", "by"]})["indexes"]
             + client.controller.call("LOOKUP", {"partition_id": "other", "keys": ["z"]})["indexes"])}
@@ -321,7 +397,7 @@ def restore_case(tmp_path, ref: dict, point: str, action: str) -> dict:
         if run.outcome == "ok":
             assert committed, "load reported success but nothing is committed"
         lost = set() if not run.restarted else (
-            {0, 1} if "job" in run.restarted else {run.FAULTY_UNIT})
+            set(range(run.num_units)) if "job" in run.restarted else {run.FAULTY_UNIT})
         visible = set(tq.kv_list("p").get("p", {}))
         new = restored - {"s1"}
         # all or nothing
@@ -330,10 +406,9 @@ def restore_case(tmp_path, ref: dict, point: str, action: str) -> dict:
             assert visible == set(), visible
         elif committed:
             assert new <= visible, f"committed but missing {sorted(new - visible)}"
-            idx = client_lookup(sel)
+            # every restored row reads back, on a unit that restarted too: a unit that came
+            # back empty after the commit decision was rolled forward from the dump
             for k in sel:
-                if idx[k] % 2 in lost:
-                    continue  # that unit's memory died with it
                 got = rows_of(tq.kv_batch_get([k], "p", select_fields=sorted(ref["rows"][k])))[0]
                 for f, v in ref["rows"][k].items():
                     assert_same_value(v, got[f], f"{k}.{f}")
@@ -352,6 +427,20 @@ def restore_case(tmp_path, ref: dict, point: str, action: str) -> dict:
                 assert torch.equal(tq.kv_batch_get(["z"], "other")["z"][0], torch.arange(5))
             assert tq.kv_list("other")["other"] == {"z": {"o": 2}}
         run.units_clean()
+        # no key is listed whose row cannot be read (a bystander on a restarted unit died
+        # with that unit's memory: the one documented loss)
+        if "job" not in run.restarted:
+            expected = {"p": {"by": {"obs": torch.ones(4)}}, "other": {"z": {"z": torch.arange(5)}}}
+            if committed:
+                expected["p"].update({k: ref["rows"].get(k, {}) for k in restored})
+            else:
+                expected["p"]["s1"] = {"obs": MINE}
+            exempt = {(p_, k) for (p_, k), u in [(("p", "s1"), owner["s1"]),
+                                                 (("p", "by"), owner["by"]),
+                                                 (("other", "z"), owner["z"])]
+                      if u in lost and not (committed and k == "s1")}
+            assert_listed_readable(expected, exempt)
+        treehash.assert_unchanged(tree, treehash.snapshot(tmp_path), own)
         assert siblings(dump) == [] and fmt.verify_dump(dump)["ok"]
         assert_lock_free(dump + ".lock")
         # nothing is blocked: the same dump loads into a fresh partition

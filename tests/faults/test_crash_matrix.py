@@ -1,5 +1,7 @@
-"""Crash matrix (issue "Prove it", part 2): every fault point x {kill, raise, drop-reply,
-delay}, with real processes, then recovery and every invariant (see crash.py).
+"""Crash matrix (issue "Prove it", part 2; issue 12): every fault point x {kill, raise,
+drop-reply, delay}, with real processes, then recovery and every invariant (see crash.py).
+Unit-side points run in each role of the faulty unit: the one that gets there first, the
+one that gets there last, and the unit alone (a 1-unit deployment).
 
 The full product is marked ``slow`` (``pytest tests/faults -m slow``); a representative
 subset, one point per lifecycle step with ``kill``, runs in the default suite.
@@ -24,6 +26,7 @@ DUMP_POINTS = {
     "unit.dump.before_write": ["kill", "raise", DELAY],
     "unit.dump.after_write": ["kill", "raise", DELAY],
     "unit.dump.after_fsync": ["kill", "raise", DELAY],
+    "unit.reply.DUMP_ROWS": SERVER,
     "client.dump.after_units_written": CLIENT,
     "publish.after_staging": CLIENT,
     "publish.after_written": CLIENT,
@@ -47,12 +50,13 @@ RESTORE_POINTS = {
     "unit.load.after_claim": ["kill", "raise", DELAY],
     "unit.load.after_read_batch": ["kill", "raise", DELAY],
     "unit.load.after_stage": ["kill", "raise", DELAY],
+    "unit.reply.LOAD_ROWS": SERVER,        # kill: dies after reporting staged
     "controller.restore.after_staged": ["kill", "raise", DELAY],
     "client.restore.before_finish": CLIENT,
     "controller.request.FINISH_RESTORE": SERVER,
     "controller.restore.after_commit_decision": ["kill", "raise", DELAY],
-    "unit.request.APPLY_STAGED": SERVER,
-    "unit.apply.after_apply": ["kill", "raise", DELAY],
+    "unit.request.APPLY_STAGED": SERVER,   # kill: staged, dies before applying
+    "unit.apply.after_apply": ["kill", "raise", DELAY],   # kill: dies during apply
     "unit.reply.APPLY_STAGED": SERVER,
     "controller.restore.after_apply": ["kill", "raise", DELAY],
     "controller.restore.after_publish": ["kill", "raise", DELAY],
@@ -60,12 +64,17 @@ RESTORE_POINTS = {
     "client.restore.after_finish": CLIENT,
 }
 
-FAST_DUMP = ["unit.dump.after_write", "publish.after_written", "publish.after_old_moved",
-             "publish.after_published"]
-FAST_RESTORE = ["client.restore.after_begin", "unit.load.after_read_batch",
-                "controller.restore.after_staged", "controller.restore.after_commit_decision",
-                "controller.restore.after_publish",
-                "client.restore.before_finish", "client.restore.after_finish"]
+ROLES = ["first", "last", "alone"]
+
+# (point, role) run with kill in the default suite; everything else is slow
+FAST_DUMP = {("unit.dump.after_write", "first"), ("publish.after_written", None),
+             ("publish.after_old_moved", None), ("publish.after_published", None)}
+FAST_RESTORE = {("client.restore.after_begin", None), ("unit.load.after_read_batch", "last"),
+                ("controller.restore.after_staged", None),
+                ("controller.restore.after_commit_decision", None),
+                ("unit.request.APPLY_STAGED", "alone"), ("unit.apply.after_apply", "last"),
+                ("controller.restore.after_publish", None),
+                ("client.restore.before_finish", None), ("client.restore.after_finish", None)}
 
 
 # (point, action) -> extra marks; empty now that the bugs this matrix found are fixed:
@@ -73,14 +82,16 @@ FAST_RESTORE = ["client.restore.after_begin", "unit.load.after_read_batch",
 KNOWN: dict = {}
 
 
-def _cases(points: dict, fast: list[str]):
+def _cases(points: dict, fast: set):
     out = []
     for point, actions in points.items():
-        for action in actions:
-            marks = list(KNOWN.get((point, action), []))
-            if not (action == "kill" and point in fast):
-                marks.append(pytest.mark.slow)
-            out.append(pytest.param(point, action, id=f"{point}:{action}", marks=marks))
+        for role in (ROLES if point.startswith("unit.") else [None]):
+            for action in actions:
+                marks = list(KNOWN.get((point, action), []))
+                if not (action == "kill" and (point, role) in fast):
+                    marks.append(pytest.mark.slow)
+                ident = f"{point}:{action}" + (f":{role}" if role else "")
+                out.append(pytest.param(point, action, role, id=ident, marks=marks))
     return out
 
 
@@ -96,9 +107,9 @@ def clean_api():
     tq.close()
 
 
-@pytest.mark.parametrize("point,action", _cases(DUMP_POINTS, FAST_DUMP))
-def test_dump_crash(tmp_path, clean_api, point, action):
-    res = dump_case(tmp_path, point, action)
+@pytest.mark.parametrize("point,action,role", _cases(DUMP_POINTS, FAST_DUMP))
+def test_dump_crash(tmp_path, clean_api, point, action, role):
+    res = dump_case(tmp_path, point, action, role)
     if point in ("publish.after_staging", "publish.after_written", "publish.after_synced") \
             or point.startswith(("unit.", "controller.request.DESCRIBE",
                                  "controller.reply.DESCRIBE", "client.dump")):
@@ -108,13 +119,16 @@ def test_dump_crash(tmp_path, clean_api, point, action):
         assert res["which"] == "new", res
 
 
-@pytest.mark.parametrize("point,action", _cases(RESTORE_POINTS, FAST_RESTORE))
-def test_restore_crash(tmp_path, clean_api, ref_dump, point, action):
-    res = restore_case(tmp_path, ref_dump, point, action)
-    # a restore is only decided by the controller's journaled commit decision
+@pytest.mark.parametrize("point,action,role", _cases(RESTORE_POINTS, FAST_RESTORE))
+def test_restore_crash(tmp_path, clean_api, ref_dump, point, action, role):
+    res = restore_case(tmp_path, ref_dump, point, action, role)
+    # a restore is only decided by the controller's journaled commit decision; after it,
+    # a unit that dies comes back empty and is rolled forward from the dump
     if point in ("controller.restore.after_apply", "controller.restore.after_publish",
-                 "client.restore.after_finish", "unit.apply.after_apply",
-                 "unit.reply.APPLY_STAGED") and action != "kill":
+                 "client.restore.after_finish") and action != "kill":
+        assert res["committed"], res
+    if point in ("unit.request.APPLY_STAGED", "unit.apply.after_apply",
+                 "unit.reply.APPLY_STAGED"):
         assert res["committed"], res
     if point.startswith(("controller.request.BEGIN", "controller.reply.BEGIN",
                          "controller.restore.after_begin", "client.restore.after_begin",

@@ -25,6 +25,7 @@ import tqtx as tq  # noqa: E402
 from buffers import assert_same_rows, assert_same_value, rollout_batch  # noqa: E402
 from tqtx.dump import format as fmt  # noqa: E402
 from tqtx.journal.store import dump_journal_path  # noqa: E402
+from treehash import assert_unchanged, snapshot, tqtx_own  # noqa: E402
 
 N = 8
 DUMP_FILES = ["dump_info.json", "rows.msgpack"]  # shards added per dump (unit-k.bin/.index)
@@ -118,6 +119,7 @@ def _attempt(base: dict, target: str, mutation: str, pos: float, data: bytes) ->
     pid = f"h-{uuid.uuid4().hex[:8]}"
     path = dump_journal_path(dump) if target == JOURNAL else dump / target
     must_refuse = _mutate(path, mutation, pos, data) and target != JOURNAL
+    tree = snapshot(base["root"])
     outcome = None
     try:
         try:
@@ -139,6 +141,11 @@ def _attempt(base: dict, target: str, mutation: str, pos: float, data: bytes) ->
             _check_loaded(base, pid)
             outcome = "loaded"
         _units_alive()
+        # Refused or loaded, a load changed nothing but the dump's lock and journal files
+        # (and the controller's state dir): not the dump, not its neighbours.
+        own = tqtx_own(base["root"], dump, dump_may_change=False)
+        assert_unchanged(tree, snapshot(base["root"]),
+                         lambda rel: own(rel) or rel.split(os.sep)[0] == "state")
     finally:
         try:
             tq.kv_clear(list(base["keys"]), pid)

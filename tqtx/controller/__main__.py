@@ -29,7 +29,10 @@ def main(argv=None) -> int:
         return 2
     stop_on_signals(ctl.server.stop)
     from ..metrics import maybe_start_exporter
-    maybe_start_exporter(ctl.server.metrics, 0)  # only with TQTX_METRICS_PORT set
+    exporter = maybe_start_exporter(ctl.server.metrics, 0)  # only with TQTX_METRICS_PORT set
+    if exporter is not None:  # (http server, thread); TOPOLOGY reports it
+        host, port = exporter[0].server_address[:2]
+        ctl.metrics_endpoint = f"{host}:{port}"
     announce({"ready": ctl.address, "pid": os.getpid(), "incarnation": ctl.incarnation,
               "recovered": len(ctl.recovered)})
     ctl.serve_forever()

@@ -3,21 +3,25 @@ from __future__ import annotations
 
 import heapq
 
-from ..errors import KeysNotFoundError
+from ..errors import KeysNotFoundError, SchemaConflictError
 
 
 def check_schema_compatible(field: str, old: dict, new: dict) -> None:
-    """Raise ValueError if ``new`` rows of ``field`` cannot join rows described by ``old``."""
+    """Raise SchemaConflictError (a ValueError and a RuntimeError) if ``new`` rows of
+    ``field`` cannot join rows described by ``old``."""
     if old["kind"] != new["kind"]:
-        raise ValueError(
-            f"field {field!r} holds {old['kind']} values; cannot store {new['kind']} values in it")
+        raise SchemaConflictError(
+            f"field {field!r}: dtype mismatch: it holds {old['kind']} values; cannot store "
+            f"{new['kind']} values in it")
     if old["kind"] == "tensor":
         if old["dtype"] != new["dtype"]:
-            raise ValueError(f"field {field!r} has dtype {old['dtype']}; got {new['dtype']} "
-                             f"(a field's dtype cannot change)")
+            raise SchemaConflictError(
+                f"field {field!r}: dtype mismatch: it has dtype {old['dtype']}; got "
+                f"{new['dtype']} (a field's dtype cannot change)")
         if old.get("ndim") != new.get("ndim"):
-            raise ValueError(f"field {field!r} has {old.get('ndim')}-d rows; got "
-                             f"{new.get('ndim')}-d rows")
+            raise SchemaConflictError(
+                f"field {field!r}: schema conflict: it has {old.get('ndim')}-d rows; got "
+                f"{new.get('ndim')}-d rows")
 
 
 def merge_schema(old: dict | None, new: dict) -> dict:

@@ -10,10 +10,12 @@ import socket
 import time
 
 from .. import __version__, faults
-from ..errors import KeysNotFoundError, RestorePendingError, StateDirInUseError
+from ..errors import (FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError,
+                      RestorePendingError, SchemaConflictError, StateDirInUseError)
 from ..journal.store import ControllerJournal, IllegalTransition, controller_lock_path
-from ..wire.rpc import Peer, Server, call_many, new_id
+from ..wire.rpc import CONNECT_TIMEOUT, Peer, Server, call_many
 from .metadata import Metadata, check_schema_compatible, merge_schema
+from .rollforward import RollForward
 
 log = logging.getLogger("tqtx.controller")
 
@@ -31,7 +33,8 @@ def _restore_unit_label(body) -> str:
 class RestorePlan:
     """In-memory side of an unresolved restore (the journal holds its state)."""
 
-    def __init__(self, restore_id, partition_id, dump_dir, rows, field_schema, units, new_indexes):
+    def __init__(self, restore_id, partition_id, dump_dir, rows, field_schema, units, new_indexes,
+                 srcs=None, dump_id=None):
         self.restore_id = restore_id
         self.partition_id = partition_id
         self.dump_dir = dump_dir
@@ -39,7 +42,22 @@ class RestorePlan:
         self.field_schema = field_schema
         self.units = units
         self.new_indexes = new_indexes
+        self.srcs = srcs or [None] * len(rows)  # per row: its global index in the dump
+        self.dump_id = dump_id
         self.apply_rids: dict[int, str] = {}
+        self.redo: set[int] = set()             # units to roll forward from the dump
+        self.redo_failed: dict[int, str] = {}   # unit -> why the dump could not provide
+        self.last_error: dict[int, BaseException] = {}
+
+    def redo_items(self, uid: int, num_units: int) -> list | None:
+        """[dest, fresh, src] of the rows unit ``uid`` holds; None if a source is unknown."""
+        items = []
+        for (_key, idx, fields, _tag, is_new), src in zip(self.rows, self.srcs):
+            if fields and idx % num_units == uid:
+                if src is None:
+                    return None
+                items.append([idx, is_new, src])
+        return items
 
 
 def acquire_state_dir(state_dir: str):
@@ -63,7 +81,7 @@ def acquire_state_dir(state_dir: str):
     return lock
 
 
-class Controller:
+class Controller(RollForward):
     def __init__(self, *, num_units: int, state_dir: str, host: str = "127.0.0.1", port: int = 0,
                  curve=None, client_curve=None):
         self.num_units = num_units
@@ -84,6 +102,10 @@ class Controller:
                         event.get("action"), event.get("detail", ""))
         self.meta = Metadata()
         self.units: dict[int, str] = {}
+        # Topology incarnation: changes whenever a unit (re-)registers at a new address;
+        # replies that lead a client to units carry it ("topology"). The controller
+        # incarnation in the high bits keeps it distinct across controller restarts.
+        self.topology_incarnation = self.incarnation << 32
         self.unit_peers: dict[int, Peer] = {}
         self.restores: dict[str, RestorePlan] = {}
         self.started = time.time()
@@ -120,13 +142,16 @@ class Controller:
         uid = int(body["unit_id"])
         if not 0 <= uid < self.num_units:
             raise ValueError(f"unit id {uid} outside 0..{self.num_units - 1}")
+        if self.units.get(uid) != body["address"]:
+            self.topology_incarnation += 1
         self.units[uid] = body["address"]
         old = self.unit_peers.pop(uid, None)
         if old is not None:
             old.close()
         self.unit_peers[uid] = Peer(body["address"], f"unit {uid}", timeout=120,
-                                    curve=self.client_curve)
-        log.info("unit %d registered at %s", uid, body["address"])
+                                    curve=self.client_curve, connect_timeout=CONNECT_TIMEOUT)
+        log.info("unit %d registered at %s (topology %d)", uid, body["address"],
+                 self.topology_incarnation & 0xFFFFFFFF)
         return {"incarnation": self.incarnation}
 
     def topology(self, body, req):
@@ -134,7 +159,9 @@ class Controller:
         return {"ready": ready, "num_units": self.num_units,
                 "units": [self.units.get(i) for i in range(self.num_units)],
                 "incarnation": self.incarnation, "state_dir": self.state_dir,
-                "version": __version__, "address": self.address}
+                "topology": self.topology_incarnation,
+                "version": __version__, "address": self.address,
+                "metrics_endpoint": getattr(self, "metrics_endpoint", None)}
 
     def shutdown(self, body, req):
         self.server.stop()
@@ -150,6 +177,8 @@ class Controller:
         rec = self.journal.get_restore(plan.restore_id) or {}
         units = {u["unit_id"]: u["state"] for u in rec.get("units", [])}
         reason = "unit_running" if "claimed" in units.values() else "in_progress"
+        if str(rec.get("reason") or "").startswith("redo_failed"):
+            reason = "redo_failed"
         err = RestorePendingError(restore_id=plan.restore_id, dump_dir=plan.dump_dir,
                                   reason=reason, units=units, partition_id=plan.partition_id)
         return RestorePendingError(f"{what} refused: {err.describe()}", restore_id=plan.restore_id,
@@ -176,7 +205,8 @@ class Controller:
             part.keys[key] = idx
             part.fields[idx] = set()
             part.tags[key] = {}
-        return {"indexes": [part.keys[k] for k in keys], "fresh": fresh_idx}
+        return {"indexes": [part.keys[k] for k in keys], "fresh": fresh_idx,
+                "topology": self.topology_incarnation}
 
     def commit_put(self, body, req):
         """Publish the fields (and merge the tags) of rows the units now hold.
@@ -199,10 +229,18 @@ class Controller:
         return {"fields": sorted(common or ())}
 
     def lookup(self, body, req):
+        """Indexes, fields and schemas of ``keys``. With ``lenient`` (TransferQueue's
+        results): unknown keys and fields not produced for every key are left out."""
         pid, keys, select = body["partition_id"], body["keys"], body.get("select_fields")
+        lenient = bool(body.get("lenient"))
         part = self.meta.partition(pid)
-        if part is None:
+        if part is None or (lenient and not any(k in part.keys for k in keys)):
             raise KeysNotFoundError(keys, pid)
+        if lenient:
+            keys = [k for k in keys if k in part.keys]
+            if select is not None:
+                select = [f for f in select
+                          if all(f in part.fields.get(part.keys[k], ()) for k in keys)]
         indexes = part.indexes_of(keys)
         if select is None:
             common = None
@@ -217,10 +255,12 @@ class Controller:
                 lacking = [k for k, i in zip(keys, indexes) if f not in part.fields.get(i, ())]
                 if lacking:
                     shown = ", ".join(repr(k) for k in lacking[:10])
-                    raise KeyError(f"field {f!r} was not produced for keys {shown} in partition "
-                                   f"{pid!r}")
-        return {"indexes": indexes, "fields": fields,
-                "schemas": {f: part.schema[f] for f in fields}, "num_units": self.num_units}
+                    raise FieldsNotFoundError(
+                        f"select_fields: field {f!r} not found: it was not produced for keys "
+                        f"{shown} in partition {pid!r}")
+        return {"indexes": indexes, "fields": fields, "keys": keys,
+                "schemas": {f: part.schema[f] for f in fields}, "num_units": self.num_units,
+                "topology": self.topology_incarnation}
 
     def list_keys(self, body, req):
         pid = body.get("partition_id")
@@ -247,8 +287,9 @@ class Controller:
         if part is None:
             if not keys:
                 return {"indexes": [], "field_sets": [], "fields_of": [], "tags": [],
-                        "field_schema": {}, "num_units": self.num_units}
-            raise KeyError(f"partition {pid!r} not found")
+                        "field_schema": {}, "num_units": self.num_units,
+                        "topology": self.topology_incarnation}
+            raise PartitionNotFoundError(f"partition {pid!r} does not exist (not found)")
         indexes = part.indexes_of(keys)
         set_ids: dict[frozenset, int] = {}
         field_sets: list[list[str]] = []
@@ -265,7 +306,8 @@ class Controller:
         tags = part.tags
         return {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
                 "tags": [tags.get(k) or {} for k in keys],
-                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units}
+                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
+                "topology": self.topology_incarnation}
 
     def record_dump(self, body, req):
         self.journal.record_dump(incarnation_id=self.incarnation, **body)
@@ -282,9 +324,9 @@ class Controller:
                 if old is not None:
                     try:
                         check_schema_compatible(field, old, schema)
-                    except ValueError as exc:
-                        raise ValueError(f"dump is incompatible with partition "
-                                         f"{body['partition_id']!r}: {exc}") from None
+                    except SchemaConflictError as exc:
+                        raise SchemaConflictError(f"dump is incompatible with partition "
+                                                  f"{body['partition_id']!r}: {exc}") from None
         return {"ok": True}
 
     # ---------------------------------------------------------------- restore
@@ -306,8 +348,12 @@ class Controller:
         new_keys = [r[0] for r in rows_in if part is None or r[0] not in part.keys]
         new_idx = self.meta.allocate(len(new_keys))
         new_map = dict(zip(new_keys, new_idx))
-        rows, units = [], set()
-        for key, fields, tag in rows_in:
+        rows, units, srcs = [], set(), []
+        for row in rows_in:
+            key, fields, tag = row[:3]
+            # [key, fields, tag, src]: src (the row's global index in the dump) lets a unit
+            # that lost its staged rows re-read them after the commit decision
+            srcs.append(int(row[3]) if len(row) > 3 and row[3] is not None else None)
             is_new = key in new_map
             idx = new_map[key] if is_new else part.keys[key]
             rows.append([key, idx, fields, tag, is_new])
@@ -316,7 +362,7 @@ class Controller:
         for idx in new_idx:
             self.meta.reserved[idx] = rid
         plan = RestorePlan(rid, pid, body["dump_dir"], rows, body["field_schema"], sorted(units),
-                           new_idx)
+                           new_idx, srcs, body.get("dump_id"))
         try:
             self.journal.begin_restore(
                 restore_id=rid, partition_id=pid, dump_dir=body["dump_dir"],
@@ -334,7 +380,8 @@ class Controller:
     def _plan_reply(self, plan: RestorePlan) -> dict:
         return {"restore_id": plan.restore_id, "indexes": [r[1] for r in plan.rows],
                 "new": [r[4] for r in plan.rows], "units": plan.units,
-                "num_units": self.num_units, "incarnation": self.incarnation}
+                "num_units": self.num_units, "incarnation": self.incarnation,
+                "topology": self.topology_incarnation}
 
     def _release(self, plan: RestorePlan) -> None:
         for idx in plan.new_indexes:
@@ -386,7 +433,12 @@ class Controller:
             if plan is None:
                 raise RuntimeError(f"restore {rid} is committing but this controller has no "
                                    f"plan for it")
-            self._commit(plan)
+            try:
+                self._commit(plan)
+            except RestorePendingError as exc:
+                if not (body.get("cancel") and exc.reason == "redo_failed"):
+                    raise
+                self._give_up(plan)
             return self._outcome(self.journal.get_restore(rid))
         commit = bool(body.get("commit"))
         if commit:
@@ -425,35 +477,26 @@ class Controller:
         self.journal.decide_commit(rid)
         log.info("restore %s: commit decided", rid)
         faults.hit("controller.restore.after_commit_decision")
-        rec = self.journal.get_restore(rid)
-        todo = [u["unit_id"] for u in rec["units"] if u["state"] == "staged"]
-        last_error: dict[int, BaseException] = {}
-        for _attempt in range(3):
-            if not todo:
-                break
-            live = [u for u in todo if u in self.unit_peers]
-            calls = [(self.unit_peers[u], "APPLY_STAGED", {"restore_id": rid},
-                      plan.apply_rids.setdefault(u, new_id())) for u in live]
-            results = call_many(calls, raise_first=False, timeout=10)
-            retry = [u for u in todo if u not in self.unit_peers]
-            for uid, res in zip(live, results):
-                if isinstance(res, BaseException):
-                    last_error[uid] = res
-                    retry.append(uid)
-                elif res.get("lost"):
-                    # The unit restarted after staging: its memory (staged rows and every
-                    # other row it held) is gone. Nothing of this restore can land there.
-                    log.error("restore %s: unit %d lost its staged rows (restarted)", rid, uid)
-                    self.journal.fail_unit(rid, uid, "unit restarted after staging; its rows "
-                                                     "are lost")
-                else:
-                    self.journal.apply_unit(rid, uid)
-                    faults.hit("controller.restore.after_apply")
-            todo = retry
+        todo = self._apply_everywhere(plan)
+        if plan.redo_failed:
+            why = "; ".join(f"unit {u}: {w}" for u, w in sorted(plan.redo_failed.items()))
+            reason = f"redo_failed: {plan.dump_dir}: {why}"
+            rec = self.journal.note_reason(rid, reason[:2000])
+            units = {u["unit_id"]: u["state"] for u in rec["units"]}
+            log.error("restore %s: commit decided but cannot be rolled forward: %s", rid, reason)
+            raise RestorePendingError(
+                f"restore {rid}: the commit is decided, but unit(s) {sorted(plan.redo_failed)} "
+                f"restarted without their staged rows and the dump cannot provide them again "
+                f"({reason}). No key of this restore is visible. Put the dump back in place "
+                f"and run tqtx.recover_data_load({plan.dump_dir!r}) to roll it forward, or "
+                f"tqtx.recover_data_load({plan.dump_dir!r}, cancel=True) to end it as failed.",
+                restore_id=rid, dump_dir=plan.dump_dir, reason="redo_failed", units=units,
+                partition_id=plan.partition_id)
         if todo:
             rec = self.journal.get_restore(rid)
             units = {u["unit_id"]: u["state"] for u in rec["units"]}
-            detail = "; ".join(f"unit {u}: {last_error.get(u, 'not registered')}" for u in todo)
+            detail = "; ".join(f"unit {u}: {plan.last_error.get(u, 'not registered')}"
+                               for u in todo)
             log.error("restore %s: commit decided but units %s have not applied: %s", rid, todo,
                       detail)
             raise RestorePendingError(

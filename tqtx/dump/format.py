@@ -34,7 +34,7 @@ import msgpack
 from tqtx import faults
 from crc32c import crc32c as checksum  # CRC-32C (Castagnoli), hardware-accelerated
 
-from tqtx.errors import DumpFormatError
+from tqtx.errors import DumpFormatError, DumpNotFoundError
 from tqtx.wire import codec
 from tqtx.wire.values import DTYPE_SIZES, RawTensor
 
@@ -132,9 +132,10 @@ def _unpack(data):
         raise codec.CodecError(f"{type(exc).__name__}: {exc}") from None
 
 
-def _error(file, msg: str, *, global_index=None, key=None) -> DumpFormatError:
-    """A DumpFormatError whose message starts with ``file``; details kept as attributes."""
-    exc = DumpFormatError(f"{file}: {msg}")
+def _error(file, msg: str, *, global_index=None, key=None, missing=False) -> DumpFormatError:
+    """A DumpFormatError whose message starts with ``file``; details kept as attributes.
+    ``missing``: a DumpNotFoundError (also a FileNotFoundError) naming ``file``."""
+    exc = DumpNotFoundError(f"{file}: {msg}", file) if missing else DumpFormatError(f"{file}: {msg}")
     exc.file = str(file)
     exc.global_index = global_index
     exc.key = key
@@ -320,6 +321,19 @@ def _range_key(r):
     return r[0], r[1]
 
 
+@contextmanager
+def _naming(path, action: str):
+    """Re-raise an OSError that names no file (write, writev and fsync errors on a
+    descriptor) as the same errno naming ``path``, e.g. ``[Errno 28] No space left on
+    device (writing shard): '/d.tmp-1/shards/unit-0.bin'``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror} ({action})", os.fspath(path)) from exc
+
+
 def _writev_all(fd: int, bufs: list) -> None:
     """Write every buffer of ``bufs`` (bytes or 1-D byte memoryviews) in order."""
     i, n = 0, len(bufs)
@@ -330,7 +344,7 @@ def _writev_all(fd: int, bufs: list) -> None:
             i += len(chunk)
             continue
         if written <= 0:
-            raise OSError(f"writev wrote {written} bytes")
+            raise OSError(errno.EIO, f"writev wrote {written} bytes")
         for j, b in enumerate(chunk):  # partial write: resume inside buffer i + j
             if written < len(b):
                 i += j
@@ -405,7 +419,8 @@ class ShardWriter:
         return self._pool.submit(self._flush, iov, pending, nbytes)
 
     def _flush(self, iov: list, pending: list, nbytes: int) -> None:
-        _writev_all(self.fd, iov)
+        with _naming(self.path, "writing shard"):
+            _writev_all(self.fd, iov)
         self.entries.extend(pending)
         self.bytes_written += nbytes
 
@@ -416,7 +431,8 @@ class ShardWriter:
         try:
             faults.hit("unit.dump.after_write")
             if fsync:
-                os.fsync(self.fd)
+                with _naming(self.path, "fsync of shard"):
+                    os.fsync(self.fd)
         finally:
             self._close_fd()
         if fsync:
@@ -500,7 +516,7 @@ def read_records(path, entries, *, batch: int = 128, verify: bool = True,
     try:
         fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
     except FileNotFoundError:
-        raise _error(label, "shard file is missing") from None
+        raise _error(label, "shard file is missing", missing=True) from None
     try:
         for start in range(0, len(entries), batch):
             chunk = sorted(entries[start:start + batch], key=_offset_key)
@@ -613,7 +629,8 @@ def fsync_dir(path) -> None:
         os.fsync(fd)
     except OSError as exc:
         if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
-            raise
+            raise OSError(exc.errno, f"{exc.strerror} (fsync of directory)",
+                          os.fspath(path)) from exc
     finally:
         os.close(fd)
 
@@ -624,10 +641,12 @@ _fsync_dir = fsync_dir
 def _write_file(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | _O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        with _naming(path, "writing file"):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        with _naming(path, "fsync of file"):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -738,7 +757,7 @@ def _read_checked(path: Path, entry: dict, manifest_name: str):
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise _error(path, "file is missing") from None
+        raise _error(path, "file is missing", missing=True) from None
     except OSError as exc:
         raise _error(path, f"cannot read: {exc}") from None
     if len(data) != entry["size"]:
@@ -804,8 +823,10 @@ def _read_dump_index(dump_dir, check_files: bool) -> DumpIndex:
     try:
         raw = mpath.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
-        raise _error(dump_dir, f"no {MANIFEST} in the directory "
-                               f"(not a tqtx dump or an unfinished one)") from None
+        if not dump_dir.is_dir():
+            raise _error(dump_dir, "dump directory not found", missing=True) from None
+        raise _error(mpath, f"no {MANIFEST} in the directory "
+                            f"(not a tqtx dump or an unfinished one)", missing=True) from None
     except OSError as exc:
         raise _error(mpath, f"cannot read: {exc}") from None
     try:
@@ -816,10 +837,12 @@ def _read_dump_index(dump_dir, check_files: bool) -> DumpIndex:
         raise _error(mpath, "manifest is not a JSON object")
     version = manifest.get("format_version")
     if not _is_int(version) or version < 1:
-        raise _error(mpath, f"invalid format_version {version!r}")
+        raise _error(mpath, f"invalid format_version {version!r} "
+                            f"(Unsupported dump format version {version!r})")
     if version > FORMAT_VERSION:
         raise _error(mpath, f"format_version {version} is newer than this tqtx supports "
-                            f"(format_version {FORMAT_VERSION}); upgrade tqtx to read it")
+                            f"(format_version {FORMAT_VERSION}). Unsupported dump format "
+                            f"version {version}: upgrade tqtx to read it")
     for name, typ in (("dump_id", str), ("partition_id", str), ("keys", int),
                       ("rows_with_data", int), ("bytes", int), ("row_index", dict),
                       ("shards", list)):
@@ -943,7 +966,7 @@ def _read_dump_index(dump_dir, check_files: bool) -> DumpIndex:
             try:
                 st = os.stat(spath)
             except FileNotFoundError:
-                raise _error(spath, "shard file is missing") from None
+                raise _error(spath, "shard file is missing", missing=True) from None
             if st.st_size != size:
                 raise _error(spath, f"shard is {st.st_size} bytes, {MANIFEST} says {size} "
                                     f"(truncated or altered)")

@@ -14,10 +14,9 @@ import time
 
 import filelock
 
-from .. import faults
-from ..errors import DumpFormatError, PeerTimeoutError, RestorePendingError
-from ..journal.store import (DumpJournal, controller_journal_path, controller_lock_path,
-                             dump_journal_path)
+from .. import faults, paths
+from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
+from ..journal.store import DumpJournal, controller_journal_path, controller_lock_path
 from ..wire.rpc import call_many, new_id
 from . import format as fmt
 from .publish import dump_lock, recover_publications
@@ -78,9 +77,11 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
                     "partition_id": row.get("partition_id")}, reason, action)
 
 
-def _mark_dump_journal(dump_dir: str, rid: str, state: str) -> None:
-    with dump_lock(dump_dir):
-        with DumpJournal(dump_dir) as dj:
+def _mark_dump_journal(dump_dir: str, rid: str, state: str, state_dir: str | None = None) -> None:
+    # Without state_dir, a read-only dump's records are where this process put them before
+    # (tqtx.paths.records_location remembers it).
+    with dump_lock(dump_dir, state_dir=state_dir):
+        with DumpJournal(dump_dir, state_dir=state_dir) as dj:
             row = dj.get_restore(rid)
             if row is not None and row["state"] == "reading":
                 dj.finish_restore(rid, state)
@@ -110,22 +111,24 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
     if via not in ("units", "client"):
         raise ValueError(f"via must be 'units' or 'client', got {via!r}")
     t0 = time.perf_counter()
-    dump_dir = os.path.abspath(dump_dir)
-    if not os.path.isdir(dump_dir) and not os.path.exists(dump_dir + ".lock"):
-        raise DumpFormatError(f"{dump_dir}: no such dump directory")
+    dump_dir = paths.check_path_arg(dump_dir, "dump_dir")
+    if not os.path.isdir(dump_dir) and not paths.lock_path(dump_dir).exists():
+        raise DumpNotFoundError(f"{dump_dir}: no such dump directory", dump_dir)
+    state_dir = client.topology["state_dir"]  # keeps the records of a read-only dump
     if via == "client":
         report = _load_via_client(client, dump_dir, partition_id, t0)
         client.count("restores", report["rows_with_data"], report["bytes"])
         return report
     rid = new_id()
-    with dump_lock(dump_dir):
+    with dump_lock(dump_dir, state_dir=state_dir):
         recover_publications(dump_dir)
         index = fmt.read_dump_index(dump_dir)  # every check that needs no payload, before any write
         pid = partition_id or index.partition_id
-        with DumpJournal(dump_dir) as dj:
+        with DumpJournal(dump_dir, state_dir=state_dir) as dj:
             for row in dj.active_restores():
                 settle_reader(client, dj, dump_dir, row, action="a second load of this dump")
-            rows = [[key, list(fields), tag] for key, _src, fields, tag in index.rows]
+            # src lets the controller have a unit re-read its rows after the commit decision
+            rows = [[key, list(fields), tag, src] for key, src, fields, tag in index.rows]
             nbytes = sum(s["size"] for s in index.shards)
             plan = client.controller.call("BEGIN_RESTORE", {
                 "restore_id": rid, "partition_id": pid, "dump_dir": dump_dir,
@@ -155,8 +158,14 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
                             )["items"].append([dest, bool(new), str(path), offset, length, crc, src])
         read_bytes += length
     uids = sorted(per_unit)
+    # Only the controller can conclude this restore: if it dies or restarts while the
+    # units load, stop waiting at once (the units' replies would take their report retries)
+    watch = client.controller_watch(
+        f"unit(s) {uids} were loading restore {rid} of {dump_dir}; nothing of it is visible. "
+        f"Restart the controller (or the whole deployment on the same state dir), then run "
+        f"tqtx.recover_data_load({dump_dir!r}) to settle the restore")
     results = call_many([(client.unit(u), "LOAD_ROWS", per_unit[u]) for u in uids],
-                        raise_first=False)
+                        raise_first=False, watch=watch)
     errors = [(u, r) for u, r in zip(uids, results) if isinstance(r, BaseException)]
     if errors:
         rec = client.controller.call("GET_RESTORE", {"restore_id": rid})["restore"]
@@ -195,11 +204,13 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
 
 def _load_via_client(client, dump_dir: str, partition_id, t0) -> dict:
     """Fallback when units cannot reach the dump: the client reads and puts (not transactional)."""
-    with dump_lock(dump_dir):
+    state_dir = client.topology["state_dir"]
+    with dump_lock(dump_dir, state_dir=state_dir):
         recover_publications(dump_dir)
         index = fmt.read_dump_index(dump_dir)
-        if dump_journal_path(dump_dir).exists():
-            with DumpJournal(dump_dir) as dj:
+        journal = paths.find_dump_journal(dump_dir, state_dir)
+        if journal is not None:
+            with DumpJournal(dump_dir, path=journal) as dj:
                 for row in dj.active_restores():
                     settle_reader(client, dj, dump_dir, row, action="a load of this dump")
     pid = partition_id or index.partition_id
@@ -235,15 +246,18 @@ def _load_via_client(client, dump_dir: str, partition_id, t0) -> dict:
 
 def recover_data_load(client, dump_dir: str, *, cancel: bool = False) -> bool:
     """See :func:`tqtx.recover_data_load`."""
-    dump_dir = os.path.abspath(dump_dir)
+    dump_dir = paths.check_path_arg(dump_dir, "dump_dir")
+    state_dir = client.topology["state_dir"]
+    paths.records_location(dump_dir, state_dir)  # _settle marks a read-only dump's records there
     rids: dict[str, dict | None] = {}
     for rec in client.controller.call("LIST_RESTORES", {})["restores"]:
         if os.path.abspath(rec["dump_dir"]) == dump_dir:
             rids[rec["restore_id"]] = None
-    if dump_journal_path(dump_dir).exists():
-        with dump_lock(dump_dir):
+    journal = paths.find_dump_journal(dump_dir, state_dir)
+    if journal is not None:
+        with dump_lock(dump_dir, state_dir=state_dir):
             recover_publications(dump_dir)
-            with DumpJournal(dump_dir) as dj:
+            with DumpJournal(dump_dir, path=journal) as dj:
                 for row in dj.active_restores():
                     rids[row["restore_id"]] = row
     ok = True
@@ -267,8 +281,9 @@ def _settle(client, dump_dir: str, rid: str, row: dict | None, cancel: bool) -> 
         raise _pending({"restore_id": rid, "dump_dir": dump_dir,
                         "partition_id": (row or {}).get("partition_id")}, "unknown_restore")
     if rec["state"] == "committing":
-        # decided: roll forward whatever was asked (the controller refuses anything else)
-        out = _finish(client, rid, commit=True, dump_dir=dump_dir)
+        # decided: roll forward whatever was asked; cancel only ends as failed a restore
+        # the dump can no longer roll forward (reason redo_failed)
+        out = _finish(client, rid, commit=True, cancel=cancel, dump_dir=dump_dir)
         rec = {**rec, "state": out["outcome"]}
     elif rec["state"] not in FINAL:
         states = {u["unit_id"]: u["state"] for u in rec["units"]}

@@ -6,6 +6,12 @@ A dump ``<dump>`` is never written in place. Writers fill a sibling staging dire
 the dump journal ``<dump>.journal.sqlite`` *after* the filesystem step, so after a crash
 :func:`recover_publications` can always leave ``<dump>`` as either the complete old or the
 complete new dump. All of this runs under :func:`dump_lock` (``<dump>.lock``).
+
+Only what tqtx can prove it made is ever renamed or deleted: the dump it replaces must be a
+tqtx dump of the same kind or an empty directory (:func:`tqtx.paths.check_publish_target`,
+re-checked in :meth:`Publication.commit`), and a ``.old`` or staging directory is touched
+only when a publication row of the journal accounts for it. Sibling names live in
+:mod:`tqtx.paths` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -16,8 +22,10 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .. import faults
-from ..journal.store import DumpJournal, dump_journal_path
+from .. import faults, paths
+from ..errors import ReadOnlyDumpError, TargetNotADumpError
+from ..journal.store import DumpJournal
+from ..paths import lock_path, old_path, staging_path  # noqa: F401  (re-exported)
 from .format import fsync_dir
 
 __all__ = [
@@ -26,37 +34,22 @@ __all__ = [
 ]
 
 
-def _abs(dump_dir: str | os.PathLike) -> Path:
-    return Path(os.path.abspath(os.fspath(dump_dir)))
+_abs = paths.abs_path
 
 
-def _sibling(dump_dir: str | os.PathLike, suffix: str) -> Path:
-    p = _abs(dump_dir)
-    return p.with_name(p.name + suffix)
-
-
-def lock_path(dump_dir: str | os.PathLike) -> Path:
-    """``<dump_dir>.lock``."""
-    return _sibling(dump_dir, ".lock")
-
-
-def old_path(dump_dir: str | os.PathLike) -> Path:
-    """``<dump_dir>.old`` (the previous dump while a new one is being swapped in)."""
-    return _sibling(dump_dir, ".old")
-
-
-def staging_path(dump_dir: str | os.PathLike, attempt_id: str) -> Path:
-    """``<dump_dir>.tmp-<attempt_id>``."""
-    return _sibling(dump_dir, f".tmp-{attempt_id}")
-
-
-def dump_lock(dump_dir: str | os.PathLike, timeout: float | None = None) -> FileLock:
+def dump_lock(dump_dir: str | os.PathLike, timeout: float | None = None, *,
+              state_dir: str | os.PathLike | None = None) -> FileLock:
     """File lock on ``<dump_dir>.lock`` serializing publication and recovery of a dump.
 
+    For a dump on read-only storage the lock lives in ``state_dir`` instead (see
+    :func:`tqtx.paths.records_location`); without one that raises ReadOnlyDumpError.
     ``timeout=None`` waits forever. Note: two FileLock objects for the same path in one
     process do not share ownership; do not nest acquisitions of the same dump.
     """
-    path = lock_path(dump_dir)
+    path, _journal, relocated = paths.records_location(dump_dir, state_dir)
+    if not relocated and not paths.siblings_writable(dump_dir):
+        raise ReadOnlyDumpError(f"{_abs(dump_dir)}: is on read-only storage, and no controller "
+                                f"state dir was given to keep its lock in", path=str(dump_dir))
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(os.fspath(path), timeout=-1 if timeout is None else timeout)
 
@@ -120,11 +113,14 @@ class Publication:
         journal.begin_publication(attempt_id=self.attempt_id, kind=kind, dump_id=dump_id,
                                   staging_dir=self.staging_dir)
         self.phase = "staging"
+        created = False
         try:
-            self.staging_dir.mkdir(parents=True)
+            self.staging_dir.mkdir(parents=True)  # FileExistsError: never reuse a dir not ours
+            created = True
             fsync_dir(self.staging_dir.parent)
         except BaseException as exc:
-            _rmtree(self.staging_dir)
+            if created:
+                _rmtree(self.staging_dir)
             self._set("failed", f"{type(exc).__name__}: {exc}")
             raise
         faults.hit("publish.after_staging")
@@ -139,19 +135,20 @@ class Publication:
         faults.hit("publish.after_written")
 
     def commit(self) -> int:
-        """Make the staged directory the dump; returns the published size in bytes."""
+        """Make the staged directory the dump; returns the published size in bytes.
+
+        Raises TargetNotADumpError (before ``synced``, so abort leaves everything as it
+        was) if ``<dump>`` is no longer replaceable or a ``.old`` appeared: recovery ran
+        under this lock, so a ``.old`` now is not tqtx's.
+        """
+        self._check_target()
         size = _fsync_tree(self.staging_dir)
+        self._check_target()
         self._set("synced")
         faults.hit("publish.after_synced")
 
         parent = self.dump_dir.parent
-        if self.old_dir.exists() or self.old_dir.is_symlink():
-            if self.dump_dir.exists():
-                _rmtree(self.old_dir)  # stale leftover of an earlier, finished swap
-            else:
-                # A crashed swap that nobody recovered: put the old dump back first.
-                os.rename(self.old_dir, self.dump_dir)
-        if self.dump_dir.exists():
+        if self.dump_dir.exists() or self.dump_dir.is_symlink():
             os.rename(self.dump_dir, self.old_dir)
             fsync_dir(parent)
         self._set("old-moved")
@@ -170,12 +167,26 @@ class Publication:
         faults.hit("publish.after_published")
 
         # No fsync after deleting .old: a leftover .old beside a published dump is garbage
-        # that recovery deletes, so the deletion need not be durable.
+        # that recovery deletes (its "published" row accounts for it), so the deletion
+        # need not be durable.
         if self.old_dir.exists():
             _rmtree(self.old_dir)
         self._set("cleaned")
         faults.hit("publish.after_cleaned")
         return size
+
+    def _check_target(self) -> None:
+        if self.old_dir.exists() or self.old_dir.is_symlink():
+            raise TargetNotADumpError(
+                f"{self.old_dir}: exists beside {self.dump_dir.name} and is not tqtx's (no "
+                f"unfinished publication accounts for it; tqtx needs that name to swap the "
+                f"{self.kind} in); the {self.kind} was not published", path=str(self.old_dir))
+        if (self.dump_dir.exists() or self.dump_dir.is_symlink()) and \
+                not paths.replaceable(self.dump_dir, self.kind):
+            raise TargetNotADumpError(
+                f"{self.dump_dir}: is not an empty directory or a tqtx {self.kind} (it may "
+                f"have changed during the publication); the {self.kind} was not published",
+                path=str(self.dump_dir))
 
     def abort(self, error: str) -> None:
         """Give up this attempt; ``<dump>`` is left as the complete old (or, once the
@@ -205,6 +216,8 @@ def _settle(dump_dir: Path, staging: Path, phase: str, *, forward: bool = True) 
     in place, else 'back'."""
     old = old_path(dump_dir)
     parent = dump_dir.parent
+    # Before "synced" the attempt never touched <dump> or .old: whatever is there is not ours.
+    moved = phase in ("synced", "old-moved")
     if forward and phase == "old-moved" and staging.is_dir() and not dump_dir.exists():
         # Staging was synced before old-moved was journaled: finish the swap.
         os.rename(staging, dump_dir)
@@ -221,9 +234,10 @@ def _settle(dump_dir: Path, staging: Path, phase: str, *, forward: bool = True) 
         return "forward"
     if staging.exists() or staging.is_symlink():
         _rmtree(staging)
-    if not dump_dir.exists() and old.exists():
+    if moved and not dump_dir.exists() and old.exists():
         os.rename(old, dump_dir)
-    fsync_dir(parent)
+    if parent.is_dir():
+        fsync_dir(parent)
     return "back"
 
 
@@ -234,8 +248,10 @@ def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | Non
     Decision per phase found: staging/written/synced -> remove staging, keep the old dump,
     ``rolled-back``; old-moved -> roll forward if the synced staging dir (or the new dump) is
     there, else put ``.old`` back and ``rolled-back``; published -> delete ``.old``,
-    ``cleaned``. Then, journal or not: restore a lone ``.old`` when ``<dump>`` is missing and
-    delete stray ``<dump>.tmp-*`` and ``<dump>.old``. Idempotent; returns the actions taken.
+    ``cleaned``. Only journaled debris is touched: a ``<dump>.old`` or ``<dump>.tmp-*`` that
+    no row accounts for is left alone (it is not tqtx's), and so is a row whose staging path
+    is not ``<dump>.tmp-<its attempt id>``. A dump on read-only storage is left as it is.
+    Idempotent; returns the actions taken.
     """
     dump = _abs(dump_dir)
     target = os.fspath(dump)
@@ -245,48 +261,55 @@ def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | Non
         actions.append({"kind": "publication", "target": target, "action": action,
                         "detail": detail})
 
+    if not paths.siblings_writable(dump):
+        return actions  # nothing can be renamed there, and nothing was published there since
     own = False
-    if journal is None and dump_journal_path(dump).exists():
-        journal = DumpJournal(dump)
+    if journal is None:
+        path = paths.find_dump_journal(dump)
+        if path is None:
+            return actions
+        journal = DumpJournal(dump, path=path)
         own = True
     try:
-        if journal is not None:
-            for pub in journal.unfinished_publications():
-                aid, phase = pub["attempt_id"], pub["phase"]
-                staging = Path(pub["staging_dir"])
-                if phase == "published":
-                    old = old_path(dump)
-                    if old.exists():
-                        _rmtree(old)
-                        fsync_dir(dump.parent)
-                    journal.set_phase(aid, "cleaned")
-                    act("cleaned", f"attempt {aid}: found published; removed {old.name}")
-                    continue
-                direction = _settle(dump, staging, phase)
-                if direction == "forward":
-                    journal.set_phase(aid, "published")
-                    journal.set_phase(aid, "cleaned")
-                    act("rolled-forward", f"attempt {aid}: found {phase}; new dump published")
-                else:
-                    journal.set_phase(aid, "rolled-back", f"recovered from phase {phase}")
-                    act("rolled-back", f"attempt {aid}: found {phase}; staging removed, "
-                                       f"{'old dump kept' if dump.exists() else 'no dump'}")
-        # Journal-independent sweep (also covers a crash before the journal row existed).
-        old = old_path(dump)
-        if not dump.exists() and old.is_dir():
-            os.rename(old, dump)
-            fsync_dir(dump.parent)
-            act("restored-old", f"{old.name} renamed back to {dump.name}")
-        elif dump.exists() and (old.exists() or old.is_symlink()):
-            _rmtree(old)
-            act("removed-old", f"removed stray {old.name}")
-        if dump.parent.is_dir():
-            prefix = dump.name + ".tmp-"
-            for entry in sorted(dump.parent.iterdir()):
-                if entry.name.startswith(prefix):
-                    _rmtree(entry)
-                    act("removed-staging", f"removed stray {entry.name}")
+        for pub in journal.unfinished_publications():
+            aid, phase = pub["attempt_id"], pub["phase"]
+            staging = _journaled_staging(dump, pub)
+            if staging is None:
+                journal.set_phase(aid, "cleaned" if phase == "published" else "rolled-back",
+                                  f"staging path {pub['staging_dir']!r} is not beside "
+                                  f"{dump.name}; nothing touched")
+                act("ignored", f"attempt {aid}: staging path {pub['staging_dir']!r} is not "
+                               f"{dump.name}{paths.STAGING_INFIX}{aid}; nothing touched")
+                continue
+            if phase == "published":
+                old = old_path(dump)
+                if old.exists() or old.is_symlink():
+                    _rmtree(old)
+                    fsync_dir(dump.parent)
+                journal.set_phase(aid, "cleaned")
+                act("cleaned", f"attempt {aid}: found published; removed {old.name}")
+                continue
+            direction = _settle(dump, staging, phase)
+            if direction == "forward":
+                journal.set_phase(aid, "published")
+                journal.set_phase(aid, "cleaned")
+                act("rolled-forward", f"attempt {aid}: found {phase}; new dump published")
+            else:
+                journal.set_phase(aid, "rolled-back", f"recovered from phase {phase}")
+                act("rolled-back", f"attempt {aid}: found {phase}; staging removed, "
+                                   f"{'old dump kept' if dump.exists() else 'no dump'}")
         return actions
     finally:
         if own:
             journal.close()
+
+
+def _journaled_staging(dump: Path, pub: dict) -> Path | None:
+    """The staging dir a publication row names, if it is ``<dump>.tmp-<attempt id>``."""
+    aid = pub["attempt_id"]
+    if not aid or "/" in aid or "\\" in aid or "\0" in aid or aid in (".", ".."):
+        return None
+    staging = staging_path(dump, aid)
+    if os.path.abspath(pub["staging_dir"] or "") != os.fspath(staging):
+        return None
+    return staging

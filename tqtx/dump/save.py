@@ -7,11 +7,11 @@ staging directory crash-safely (see :mod:`tqtx.dump.publish`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
-from .. import __version__, faults
+from .. import __version__, faults, paths
+from ..client import check_utf8
 from ..journal.store import DumpJournal
 from ..wire.rpc import call_many, new_id
 from . import format as fmt
@@ -96,6 +96,7 @@ def normalize_keys(keys) -> list[str]:
     bad = [k for k in out if not isinstance(k, str)]
     if bad:
         raise TypeError(f"keys must be str; got {type(bad[0]).__name__} {bad[0]!r}")
+    check_utf8("keys", out)
     return out
 
 
@@ -113,8 +114,13 @@ def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str
         raise ValueError(f"via must be 'units' or 'client', got {via!r}")
     if not isinstance(partition_id, str) or not partition_id:
         raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
+    check_utf8("partition_id", partition_id)
     keys = normalize_keys(keys)
-    dump_dir = os.path.abspath(dump_dir)
+    dump_dir = paths.check_path_arg(dump_dir, "dump_dir")
+    paths.check_publish_target(dump_dir, "dump")  # refuses before anything is touched
+    if via == "units":  # every unit must reach the target's filesystem (no-op: all local)
+        from ..placement.probe import check_units_reach
+        check_units_reach(client, dump_dir, "dump")
     handle = DumpHandle(dump_dir, new_id())
     t0 = time.perf_counter()
     if block:
@@ -182,6 +188,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
                     for k, i, sid, t in zip(keys, indexes, fields_of, desc["tags"])]
             with_data = [r for r in rows if r[2]]
             recover_publications(dump_dir)
+            paths.check_publish_target(dump_dir, "dump")  # again, now under the lock
             with DumpJournal(dump_dir) as journal:
                 check_no_reader(client, journal, dump_dir)
                 pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)

@@ -21,6 +21,7 @@ from .store import (
     controller_lock_path,
     default_state_dir, dump_journal_path, head_revision, migrate,
 )
+from ..paths import JOURNAL_SUFFIX, relocated_path, siblings_writable
 
 RESTORE_KEYS = ("restore_id", "partition_id", "dump_dir", "state", "outcome", "reason", "keys",
                 "rows", "bytes", "created_at", "finished_at")
@@ -39,12 +40,19 @@ def _version() -> str:
 
 
 def _target(dump_dir: str | None, state_dir: str | None) -> tuple[str, Path, Path]:
-    """(kind, target dir, journal path) for the command's arguments."""
-    if dump_dir and state_dir:
-        raise click.UsageError("give either DUMP_DIR or --state-dir, not both")
+    """(kind, target dir, journal path) for the command's arguments.
+
+    With DUMP_DIR, ``--state-dir`` (default: the default state dir) is where the journal of
+    a dump on read-only storage is kept (see :func:`tqtx.paths.records_location`): used when
+    the dump's directory is read-only, or when there is no journal beside the dump.
+    """
     if dump_dir:
         d = Path(os.path.abspath(dump_dir))
-        return DUMP, d, dump_journal_path(d)
+        path = dump_journal_path(d)
+        moved = relocated_path(state_dir or default_state_dir(), d, JOURNAL_SUFFIX)
+        if moved.exists() and (not path.exists() or not siblings_writable(d)):
+            path = moved
+        return DUMP, d, path
     sd = Path(os.path.abspath(state_dir if state_dir else default_state_dir()))
     return CONTROLLER, sd, controller_journal_path(sd)
 
@@ -76,8 +84,10 @@ def _ro_publications(dump_dir: str, limit: int | None) -> list[dict]:
 
 
 def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
-                   state: str | None = None, limit: int | None = None) -> dict:
-    """The ``journal show --json`` object for an existing journal."""
+                   state: str | None = None, limit: int | None = None,
+                   path: Path | None = None) -> dict:
+    """The ``journal show --json`` object for an existing journal (a dump journal at
+    ``path`` if given, e.g. one kept in a state dir for a read-only dump)."""
     if kind == CONTROLLER:
         with ControllerJournal(target) as j:
             restores = j.list_restores(state=state, restore_id=restore_id, limit=limit)
@@ -95,7 +105,7 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
         for d in dirs:
             report["publications"].extend(_ro_publications(d, limit))
         return report
-    with DumpJournal(target) as j:
+    with DumpJournal(target, path=path) as j:
         restores = []
         for r in j.list_restores(state=state, restore_id=restore_id, limit=limit):
             final = r["state"] in _DUMP_FINAL
@@ -112,47 +122,78 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
                 "publications": pubs, "recovery_events": []}
 
 
-def _print_tables(report: dict) -> None:
+def _cell(col: str, v) -> str:
+    if v is None:
+        return ""
+    if col.endswith("_at") or col == "at":
+        return str(v)[:19].replace("T", " ")  # seconds are enough here; --json has it all
+    return str(v)
+
+
+def _sections(report: dict) -> list[tuple[str, list[dict], list[str]]]:
+    """``(title, rows, columns)`` of every list ``journal show`` prints."""
+    restores = []
+    for r in report["restores"]:
+        units = " ".join(f"{u['unit_id']}:{u['state']}"
+                         + (f"({u['error']})" if u.get("error") else "") for u in r["units"])
+        restores.append(dict(r, units=units))
+    out = [("restores", restores, ["restore_id", "partition_id", "dump_dir", "state", "reason",
+                                   "keys", "rows", "bytes", "units", "created_at",
+                                   "finished_at"])]
+    if report["kind"] == CONTROLLER:
+        out.append(("dumps", report["dumps"], ["dump_id", "dump_dir", "partition_id", "keys",
+                                               "rows_with_data", "bytes", "shards",
+                                               "incarnation_id", "created_at"]))
+    out.append(("publications", report["publications"], ["dump_dir", "attempt_id", "kind",
+                                                         "dump_id", "phase", "error",
+                                                         "updated_at"]))
+    if report["kind"] == CONTROLLER:
+        out.append(("incarnations", report["incarnations"], ["id", "started_at", "ended_at",
+                                                             "pid", "host", "address",
+                                                             "version"]))
+        out.append(("recovery events", report["recovery_events"], ["id", "incarnation_id", "at",
+                                                                   "kind", "target", "action",
+                                                                   "detail"]))
+    return out
+
+
+def _echo_records(title: str, rows: list[dict], cols: list[str]) -> None:
+    """One block of ``column: value`` lines per row: readable at any width and in a pipe
+    (values are never wrapped, so IDs and paths stay whole for grep and copy)."""
+    click.echo(f"\n{title} ({len(rows)})")
+    pad = max(map(len, cols)) + 1
+    for i, r in enumerate(rows):
+        if i:
+            click.echo("")
+        for c in cols:
+            click.echo(f"  {c + ':':<{pad}} {_cell(c, r.get(c))}".rstrip())
+
+
+def print_report(report: dict, layout: str = "auto") -> None:
+    """Print a :func:`journal_report` for people.
+
+    ``layout``: ``"table"`` (rich tables), ``"records"`` (one block per row) or ``"auto"``:
+    a table where it fits the terminal without squeezing, records when stdout is not a
+    terminal (a pipe or a file) or the table is wider than the terminal.
+    """
     from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
 
+    tty = sys.stdout.isatty()
     console = Console()
-    console.print(f"[bold]{report['kind']} journal[/bold] {report['journal']}")
-
-    def cell(col: str, v) -> str:
-        if v is None:
-            return ""
-        if col.endswith("_at") or col == "at":
-            return str(v)[:19].replace("T", " ")  # tables show seconds; --json has it all
-        return str(v)
-
-    def table(title: str, rows: list[dict], cols: list[str]) -> None:
+    click.echo(f"{report['kind']} journal {report['journal']}")
+    for title, rows, cols in _sections(report):
         t = Table(title=f"{title} ({len(rows)})", title_justify="left")
         for c in cols:
             t.add_column(c, overflow="fold", no_wrap=c in _NO_WRAP)
         for r in rows:
-            t.add_row(*(cell(c, r.get(c)) for c in cols))
-        console.print(t)
-
-    rows = []
-    for r in report["restores"]:
-        units = " ".join(f"{u['unit_id']}:{u['state']}"
-                         + (f"({u['error']})" if u.get("error") else "") for u in r["units"])
-        rows.append(dict(r, units=units))
-    table("restores", rows, ["restore_id", "partition_id", "dump_dir", "state", "reason", "keys",
-                             "rows", "bytes", "units", "created_at", "finished_at"])
-    if report["kind"] == CONTROLLER:
-        table("dumps", report["dumps"], ["dump_id", "dump_dir", "partition_id", "keys",
-                                         "rows_with_data", "bytes", "shards", "incarnation_id",
-                                         "created_at"])
-    table("publications", report["publications"], ["dump_dir", "attempt_id", "kind", "dump_id",
-                                                   "phase", "error", "updated_at"])
-    if report["kind"] == CONTROLLER:
-        table("incarnations", report["incarnations"], ["id", "started_at", "ended_at", "pid",
-                                                       "host", "address", "version"])
-        table("recovery events", report["recovery_events"], ["id", "incarnation_id", "at",
-                                                             "kind", "target", "action",
-                                                             "detail"])
+            t.add_row(*(_cell(c, r.get(c)) for c in cols))
+        natural = Measurement.get(console, console.options.update_width(1 << 16), t).maximum
+        if layout == "table" or (layout == "auto" and tty and natural <= console.width):
+            console.print(t)
+        else:
+            _echo_records(title, rows, cols)
 
 
 _dump_arg = click.argument("dump_dir", required=False, type=click.Path())
@@ -162,7 +203,7 @@ _state_opt = click.option("--state-dir", type=click.Path(),
 _json_opt = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 
 
-@click.group("journal")
+@click.group("journal", context_settings={"help_option_names": ["-h", "--help"]})
 def journal() -> None:
     """Inspect, recover, migrate and check tqtx journals."""
 
@@ -174,15 +215,20 @@ def journal() -> None:
 @click.option("--restore", "restore_id", help="Only this restore.")
 @click.option("--state", help="Only restores in this state.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most N rows per list.")
-def show(dump_dir, state_dir, as_json, restore_id, state, limit) -> None:
+@click.option("--layout", type=click.Choice(["auto", "table", "records"]), default="auto",
+              show_default=True,
+              help="Tables, or one 'column: value' block per row; auto uses tables only on "
+                   "a terminal wide enough for them.")
+def show(dump_dir, state_dir, as_json, restore_id, state, limit, layout) -> None:
     """Show a controller journal (or the journal of DUMP_DIR)."""
     kind, target, path = _target(dump_dir, state_dir)
     _require(path)
-    report = journal_report(kind, target, restore_id=restore_id, state=state, limit=limit)
+    report = journal_report(kind, target, restore_id=restore_id, state=state, limit=limit,
+                            path=path)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        _print_tables(report)
+        print_report(report, layout)
 
 
 def _echo_actions(actions: list[dict], as_json: bool, extra: dict) -> None:
@@ -206,8 +252,11 @@ def recover(dump_dir, state_dir, as_json) -> None:
 
     kind, target, path = _target(dump_dir, state_dir)
     if kind == DUMP:
-        with dump_lock(target):
-            actions = recover_publications(target)
+        if siblings_writable(target):
+            with dump_lock(target):
+                actions = recover_publications(target)
+        else:
+            actions = []  # read-only storage: nothing was published there, nothing to settle
         _echo_actions(actions, as_json, {"journal": str(path), "kind": kind})
         return
     _require(path)

@@ -5,7 +5,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ..dump.publish import dump_lock, recover_publications
 from ..errors import DumpFormatError
-from .store import RESTART_REASON, ControllerJournal, DumpJournal, dump_journal_path
+from ..paths import find_dump_journal
+from .store import RESTART_REASON, ControllerJournal, DumpJournal
 
 __all__ = ["recover_controller_journal", "recover_publications"]
 
@@ -14,7 +15,8 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
     """Finish every restore a previous incarnation left non-final as ``aborted``.
 
     Non-final claims become ``dropped`` (done by ``finish_restore``). Before that, for each
-    such restore whose dump journal exists, the dump journal's restore row is marked
+    such restore whose dump journal exists (beside the dump, or in this controller's state dir
+    for a read-only dump), the dump journal's restore row is marked
     ``aborted`` and the dump's unfinished publications are settled, under the dump lock
     (a failure there is recorded as ``dump-recovery-failed`` and does not stop the replay). Every action is
     journaled with ``record_recovery`` and returned as ``{kind, target, action, detail}``.
@@ -34,9 +36,15 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
         rid, dump_dir = r["restore_id"], r["dump_dir"]
         # The dump side goes first: if we crash in between, the controller row is still
         # non-final and the next replay redoes both sides (each is idempotent).
-        if dump_journal_path(dump_dir).exists():
+        try:
+            dj_path = find_dump_journal(dump_dir, journal.state_dir)
+        except OSError as exc:
+            dj_path = None
+            act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
+        if dj_path is not None:
             try:
-                with dump_lock(dump_dir), DumpJournal(dump_dir) as dj:
+                with dump_lock(dump_dir, state_dir=journal.state_dir), \
+                        DumpJournal(dump_dir, path=dj_path) as dj:
                     row = dj.get_restore(rid)
                     if row is not None and row["state"] == "reading":
                         dj.finish_restore(rid, "aborted")

@@ -28,6 +28,10 @@ from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
+from ..paths import (  # noqa: F401  (re-exported)
+    controller_journal_path, controller_lock_path, dump_journal_path, migrate_lock_path,
+    records_location,
+)
 from .models import (
     PUBLICATION_FINAL, PUBLICATION_PHASES, RESTORE_FINAL, UNIT_FINAL, Dump, DumpRestore,
     Incarnation, Publication, RecoveryEvent, Restore, RestoreUnit,
@@ -76,24 +80,8 @@ def default_state_dir() -> Path:
     return base / "tqtx" / "default"
 
 
-def controller_journal_path(state_dir: str | os.PathLike) -> Path:
-    """Path of the controller journal inside ``state_dir``."""
-    return Path(state_dir) / "journal.sqlite"
-
-
-def controller_lock_path(state_dir: str | os.PathLike) -> Path:
-    """The file lock a running controller holds on its ``state_dir``."""
-    return Path(state_dir) / "controller.lock"
-
-
-def _sibling(dump_dir: str | os.PathLike, suffix: str) -> Path:
-    p = Path(os.path.abspath(os.fspath(dump_dir)))
-    return p.with_name(p.name + suffix)
-
-
-def dump_journal_path(dump_dir: str | os.PathLike) -> Path:
-    """``<dump_dir>.journal.sqlite``: a sibling of the dump directory, not inside it."""
-    return _sibling(dump_dir, ".journal.sqlite")
+# controller_journal_path, controller_lock_path and dump_journal_path live in tqtx.paths
+# (every file name tqtx uses in one place) and are re-exported from here.
 
 
 # --------------------------------------------------------------------------- engine
@@ -213,7 +201,7 @@ def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
         before = _stamped_revision(conn)
     if before == target_id:
         return before, before
-    with FileLock(os.fspath(db_path) + ".migrate.lock"):
+    with FileLock(os.fspath(migrate_lock_path(db_path))):
         with engine.begin() as conn:
             before = _stamped_revision(conn)
             if before == target_id:
@@ -465,6 +453,16 @@ class ControllerJournal(_Journal):
                 r.updated_at = utcnow()
             return self._restore_dicts(s, [r])[0]
 
+    def note_reason(self, restore_id: str, reason: str | None) -> dict:
+        """Record why a restore that is not final yet is still unresolved (no state change),
+        e.g. ``redo_failed: <dump>: ...`` on a ``committing`` restore; final ones are kept."""
+        with self._tx() as s:
+            r = self._get_restore(s, restore_id)
+            if r.state not in RESTORE_FINAL and r.reason != reason:
+                r.reason = reason
+                r.updated_at = utcnow()
+            return self._restore_dicts(s, [r])[0]
+
     def finish_restore(self, restore_id: str, outcome: str, reason: str | None = None) -> dict:
         """Move a restore to a final state (outcome = that state).
 
@@ -576,10 +574,16 @@ class DumpJournal(_Journal):
         from ..errors import DumpFormatError
         return DumpFormatError(message)
 
-    def __init__(self, dump_dir: str | os.PathLike, *, migrate: bool = True):
+    def __init__(self, dump_dir: str | os.PathLike, *, migrate: bool = True,
+                 state_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None):
+        """Open (creating) the journal of ``dump_dir``: ``path`` if given, else where
+        :func:`tqtx.paths.records_location` puts it (beside the dump, or in ``state_dir``
+        for a dump on read-only storage)."""
         self.dump_dir = Path(os.path.abspath(os.fspath(dump_dir)))
-        self.dump_dir.parent.mkdir(parents=True, exist_ok=True)
-        self._open(dump_journal_path(self.dump_dir), migrate)
+        journal = Path(path) if path is not None else records_location(self.dump_dir,
+                                                                        state_dir)[1]
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        self._open(journal, migrate)
 
     # publications ---------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     from ..metrics import maybe_start_exporter
     maybe_start_exporter(unit.server.metrics, 1 + args.unit_id)  # only with TQTX_METRICS_PORT
     announce({"ready": unit.address, "pid": os.getpid(), "unit_id": args.unit_id})
+    from .memory import start_trimmer
+    start_trimmer()  # freed row memory goes back to the OS (docs/performance.md)
     unit.serve_forever()
     return 0
 

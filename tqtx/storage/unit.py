@@ -17,13 +17,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import faults
 from ..dump import format as fmt
 from ..errors import PeerTimeoutError
-from ..wire.rpc import Peer, Server, new_id
+from ..placement.probe import node_name, unit_probe
+from ..wire.rpc import CONNECT_TIMEOUT, Peer, Server, new_id
 from ..wire.values import RawTensor, value_nbytes
+from .memory import own_small_frames
+from .redo import RedoRestore
 
 log = logging.getLogger("tqtx.unit")
 
 
-class StorageUnit:
+class StorageUnit(RedoRestore):
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
                  port: int = 0, curve=None, client_curve=None):
         self.unit_id = unit_id
@@ -35,6 +38,7 @@ class StorageUnit:
         self.staging: dict[str, dict[int, tuple[bool, dict]]] = {}
         self.applied: OrderedDict[str, dict] = OrderedDict()
         self.dropped: set[str] = set()
+        self.redoing: dict[str, list] = {}  # restore_id -> deferred replies of a running redo
         self.lock = threading.Lock()
         self.dump_jobs: dict[str, DumpJob] = {}
         self.checkpoint_staged: tuple | None = None
@@ -49,12 +53,13 @@ class StorageUnit:
             ("DUMP_WAIT", self.dump_wait, False), ("DUMP_CANCEL", self.dump_cancel, False),
             ("LOAD_ROWS", self.load_rows, True),
             ("APPLY_STAGED", self.apply_staged, True), ("DROP_STAGED", self.drop_staged, True),
+            ("REDO_RESTORE", self.redo_restore, True),
             ("SAVE_CHECKPOINT", self.save_checkpoint, True),
             ("LOAD_CHECKPOINT", self.load_checkpoint, True),
             ("APPLY_CHECKPOINT", self.apply_checkpoint, True),
             ("DROP_CHECKPOINT", self.drop_checkpoint, True),
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
-            ("SHUTDOWN", self.shutdown, True),
+            ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
             s.add(op, fn, mutating=mutating)
         self.bytes_held = 0  # running total of the live rows' value bytes (no O(rows) stats)
@@ -78,6 +83,10 @@ class StorageUnit:
     def ping(self, body, req):
         return {"unit_id": self.unit_id}
 
+    def probe_path(self, body, req):
+        """Can this unit reach a dump target's parent? (see :mod:`tqtx.placement.probe`)"""
+        return unit_probe(self.unit_id, body)
+
     def shutdown(self, body, req):
         self.server.stop()
         return {"ok": True}
@@ -87,8 +96,10 @@ class StorageUnit:
         fresh = set(body.get("fresh") or ())
         rows = self.rows
         nbytes = freed = 0
-        # Each decoded tensor owns its frame (or inline bytes): storing it pins nothing else.
+        # Each decoded tensor owns its frame (or inline bytes): storing it pins nothing else
+        # (frames that would share a ZeroMQ receive buffer are copied out of it).
         for idx, values in body["rows"]:
+            values = own_small_frames(values)
             for value in values.values():
                 nbytes += value_nbytes(value)
             old = rows.get(idx)
@@ -286,7 +297,13 @@ class StorageUnit:
     @staticmethod
     def _report(peer: Peer, body: dict, attempts: int = 3, timeout: float = 15.0):
         """RESTORE_UNIT to the controller; a lost reply is retried with the same request ID,
-        which the controller answers from its record instead of acting twice."""
+        which the controller answers from its record instead of acting twice.
+
+        A controller that is gone is not retried: PeerDiedError as soon as its connection
+        closes after a report was sent, or no connection is made within CONNECT_TIMEOUT,
+        so this unit's LOAD_ROWS reply is not held up by retries that cannot succeed."""
+        if peer.connect_timeout is None:
+            peer.connect_timeout = CONNECT_TIMEOUT
         rid = new_id()
         for attempt in range(attempts):
             try:
@@ -411,7 +428,7 @@ class StorageUnit:
     def stats(self, body, req):
         """GET_STATS (alias STATS): rows/bytes held (running totals), staged restores, ops."""
         m = self.metrics
-        return {"role": "unit", "unit_id": self.unit_id, "pid": os.getpid(),
+        return {"role": "unit", "unit_id": self.unit_id, "pid": os.getpid(), "node": node_name(),
                 "uptime": time.time() - self.started, "address": self.address,
                 "rows": len(self.rows), "bytes": self.bytes_held,
                 "staged_restores": list(self.staging), "metrics_enabled": m.enabled,
@@ -472,13 +489,17 @@ class DumpJob:
             self.future.set_result(None)
 
 
-PACK_ROW_LIMIT = 1 << 20
+# pyzmq copies a frame under 64 KiB into its message anyway; from 64 KiB on it sends the
+# row's own buffer, so joining such rows would only add a copy (for 64 KiB rows the join
+# was 250-340 ms of a unit's 64 MiB reply, sending them as frames 5-18 ms).
+PACK_ROW_LIMIT = (1 << 16) - 1
 
 
 def _pack_column(values: list) -> dict:
-    """One reply column. Tensors of one dtype up to 1 MiB a row travel as one joined frame
+    """One reply column. Tensors of one dtype under 64 KiB a row travel as one joined frame
     (``{"p": [dtype, shapes, bytes]}``): one copy here saves a frame, an allocation and a
-    header per row at both ends. Anything else goes as a list of values (``{"v": [...]}``)."""
+    header per row at both ends. Anything else goes as a list of values (``{"v": [...]}``),
+    each larger tensor as its own frame, sent without a copy."""
     if len(values) > 1 and all(type(v) is RawTensor for v in values):
         dtype = values[0].dtype
         if all(v.dtype == dtype for v in values) and \

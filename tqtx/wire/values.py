@@ -32,6 +32,14 @@ class RawTensor:
         self.shape = tuple(int(s) for s in shape)
         self.data = data
 
+    @classmethod
+    def of(cls, dtype: str, shape: tuple, data) -> "RawTensor":
+        """A RawTensor from a ``shape`` that already is a tuple of ints (no conversion: for
+        hot loops over rows whose header was checked as a whole, e.g. a packed column)."""
+        t = object.__new__(cls)
+        t.dtype, t.shape, t.data = dtype, shape, data
+        return t
+
     @property
     def nbytes(self) -> int:
         return prod(self.shape) * DTYPE_SIZES[self.dtype]

@@ -1,0 +1,44 @@
+"""tqtx.storage.memory: the watcher trims once enough was freed, and when things go quiet."""
+from __future__ import annotations
+
+import pytest
+
+from tqtx.storage import memory
+
+pytestmark = pytest.mark.skipif(memory.free_bytes() is None, reason="needs glibc malloc")
+
+MiB = 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_check_trims_after_a_large_free_and_rss_falls():
+    t = memory.Trimmer(threshold=16 * MiB, period=60)
+    t.check()
+    # ~96 MiB in 24 KiB buffers: below the mmap threshold, so they sit in malloc's heap
+    bufs = [bytearray(24 * 1024) for _ in range(4096)]
+    for b in bufs:
+        b[::4096] = b"\x01" * len(b[::4096])  # touch every page
+    t.check()
+    full = _rss()
+    trims = t.trims
+    del bufs[::2]  # half freed, interleaved with live buffers: no heap top to shrink
+    assert t.check() is True
+    assert t.trims == trims + 1
+    assert _rss() < full - 32 * MiB
+    assert t.check() is False  # nothing new freed: no second trim
+    del bufs
+
+
+def test_quiet_trim_after_a_small_free():
+    t = memory.Trimmer(threshold=1 << 40, period=60, quiet_checks=2)  # no growth trims
+    bufs = [bytearray(24 * 1024) for _ in range(512)]
+    t.check()
+    del bufs[::2]
+    seen = [t.check() for _ in range(3)]
+    # free bytes just changed; unchanged once; unchanged twice: quiet, and > 1 MiB freed
+    assert seen == [False, False, True]
+    assert [t.check() for _ in range(3)] == [False, False, False]  # nothing new to give

@@ -1,0 +1,298 @@
+"""Every file name tqtx uses beside a dump or in a state dir, and what tqtx may replace.
+
+Beside a dump ``<dump>`` (siblings, never inside it): ``<dump>.lock`` (the dump lock),
+``<dump>.journal.sqlite`` (with SQLite's ``-journal`` file and ``.migrate.lock``) and, only
+while a publication runs or after it crashed, ``<dump>.tmp-<attempt>`` (staging) and
+``<dump>.old`` (the previous dump during the swap). In a state dir: ``journal.sqlite``,
+``controller.lock`` and, for dumps on read-only storage, ``dumps/<sha256>.lock`` and
+``dumps/<sha256>.journal.sqlite`` (see :func:`records_location`).
+
+What tqtx may replace (:func:`check_publish_target`): nothing, an empty directory, or a
+complete tqtx dump (checkpoint) of the same kind; ``<dump>.old`` / ``<dump>.tmp-*`` only
+when a publication row of the dump journal accounts for them.
+
+A torch-free leaf module: it imports nothing from tqtx but :mod:`tqtx.errors`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+from pathlib import Path
+
+from .errors import ReadOnlyDumpError, TargetNotADumpError
+
+log = logging.getLogger("tqtx.paths")
+
+DUMP_MANIFEST = "dump_info.json"
+CHECKPOINT_MANIFEST = "checkpoint_info.json"
+CHECKPOINT_KIND = "tqtx-checkpoint"
+LOCK_SUFFIX = ".lock"
+OLD_SUFFIX = ".old"
+STAGING_INFIX = ".tmp-"
+JOURNAL_SUFFIX = ".journal.sqlite"
+MIGRATE_LOCK_SUFFIX = ".migrate.lock"
+SQLITE_JOURNAL_SUFFIX = "-journal"  # SQLite's rollback journal next to a database file
+RELOCATED_DIR = "dumps"
+# Publication phases in which <dump>.old may be tqtx's (moved there by that attempt).
+_OLD_PHASES = ("synced", "old-moved", "published")
+
+
+# --------------------------------------------------------------------------- names
+
+
+def abs_path(path: str | os.PathLike) -> Path:
+    """``path`` made absolute (not resolved: a symlink stays a symlink)."""
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+def check_path_arg(path, what: str = "dump_dir") -> str:
+    """The absolute form of a user-given path; ValueError for an empty or blank one
+    (``os.path.abspath("")`` is the working directory)."""
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    if not p.strip():
+        raise ValueError(f"{what} must be a non-empty path, got {path!r} (an empty path "
+                         f"would mean the working directory)")
+    return os.path.abspath(p)
+
+
+def sibling(dump_dir: str | os.PathLike, suffix: str) -> Path:
+    """``<dump_dir><suffix>``, beside the dump."""
+    p = abs_path(dump_dir)
+    return p.with_name(p.name + suffix)
+
+
+def lock_path(dump_dir: str | os.PathLike) -> Path:
+    """``<dump_dir>.lock``."""
+    return sibling(dump_dir, LOCK_SUFFIX)
+
+
+def old_path(dump_dir: str | os.PathLike) -> Path:
+    """``<dump_dir>.old`` (the previous dump while a new one is being swapped in)."""
+    return sibling(dump_dir, OLD_SUFFIX)
+
+
+def staging_path(dump_dir: str | os.PathLike, attempt_id: str) -> Path:
+    """``<dump_dir>.tmp-<attempt_id>``."""
+    return sibling(dump_dir, f"{STAGING_INFIX}{attempt_id}")
+
+
+def dump_journal_path(dump_dir: str | os.PathLike) -> Path:
+    """``<dump_dir>.journal.sqlite``: a sibling of the dump directory, not inside it."""
+    return sibling(dump_dir, JOURNAL_SUFFIX)
+
+
+def migrate_lock_path(db_path: str | os.PathLike) -> Path:
+    """``<db>.migrate.lock``, serializing schema upgrades of one journal file."""
+    return Path(os.fspath(db_path) + MIGRATE_LOCK_SUFFIX)
+
+
+def controller_journal_path(state_dir: str | os.PathLike) -> Path:
+    """Path of the controller journal inside ``state_dir``."""
+    return Path(state_dir) / "journal.sqlite"
+
+
+def controller_lock_path(state_dir: str | os.PathLike) -> Path:
+    """The file lock a running controller holds on its ``state_dir``."""
+    return Path(state_dir) / "controller.lock"
+
+
+def is_own_sibling(name: str, dump_name: str) -> bool:
+    """Is ``name`` (an entry beside the dump ``dump_name``) one of tqtx's own sibling files:
+    lock, journal files, staging or ``.old``? (Staging and ``.old`` are tqtx's only when a
+    journal row accounts for them; this only matches the names.)"""
+    if not name.startswith(dump_name) or name == dump_name:
+        return False
+    rest = name[len(dump_name):]
+    journal = (JOURNAL_SUFFIX, JOURNAL_SUFFIX + SQLITE_JOURNAL_SUFFIX,
+               JOURNAL_SUFFIX + MIGRATE_LOCK_SUFFIX)
+    return rest in (LOCK_SUFFIX, OLD_SUFFIX, *journal) or rest.startswith(STAGING_INFIX)
+
+
+# --------------------------------------------------------------------------- read-only dumps
+
+
+def _nearest_existing_parent(path: str | os.PathLike) -> Path:
+    parent = abs_path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
+
+
+def siblings_writable(dump_dir: str | os.PathLike) -> bool:
+    """Can files be created beside ``dump_dir``? (Its nearest existing ancestor is a
+    writable directory; ``os.access`` reports a read-only mount even to root.)"""
+    parent = _nearest_existing_parent(dump_dir)
+    return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
+
+
+def relocated_path(state_dir: str | os.PathLike, dump_dir: str | os.PathLike,
+                   suffix: str) -> Path:
+    """``<state_dir>/dumps/<sha256 of the absolute dump path><suffix>``."""
+    digest = hashlib.sha256(os.fsencode(str(abs_path(dump_dir)))).hexdigest()
+    return Path(os.path.abspath(os.fspath(state_dir))) / RELOCATED_DIR / (digest + suffix)
+
+
+_relocated_lock = threading.Lock()
+_relocated: dict[str, str] = {}  # dump dir -> state dir its records were moved to (this process)
+
+
+def records_location(dump_dir: str | os.PathLike, state_dir: str | os.PathLike | None = None
+                     ) -> tuple[Path, Path, bool]:
+    """``(lock, journal, relocated)`` for ``dump_dir``: its siblings where they can be
+    written, else the files in ``state_dir`` (the controller's) named by
+    :func:`relocated_path` -- logged as a WARNING once per dump and process. Without a
+    ``state_dir`` the one this process used before for that dump is taken; failing that the
+    (unwritable) siblings are returned with ``relocated`` False."""
+    dump = abs_path(dump_dir)
+    if siblings_writable(dump):
+        return lock_path(dump), dump_journal_path(dump), False
+    key = str(dump)
+    with _relocated_lock:
+        if state_dir is None:
+            state_dir = _relocated.get(key)
+            if state_dir is None:
+                return lock_path(dump), dump_journal_path(dump), False
+        state_dir = os.path.abspath(os.fspath(state_dir))
+        first = _relocated.get(key) != state_dir
+        _relocated[key] = state_dir
+    lock = relocated_path(state_dir, dump, LOCK_SUFFIX)
+    journal = relocated_path(state_dir, dump, JOURNAL_SUFFIX)
+    if first:
+        log.warning("dump %s: its directory is read-only, so its lock and journal are kept "
+                    "in the controller's state dir instead: %s, %s", dump, lock, journal)
+    return lock, journal, True
+
+
+def find_dump_journal(dump_dir: str | os.PathLike, state_dir: str | os.PathLike | None = None
+                      ) -> Path | None:
+    """The existing dump journal of ``dump_dir`` where tqtx writes it (beside the dump, or
+    relocated into ``state_dir`` for a read-only dump), or None."""
+    journal = records_location(dump_dir, state_dir)[1]
+    return journal if journal.exists() else None
+
+
+# --------------------------------------------------------------------------- replace rule
+
+
+def manifest_kind(path: str | os.PathLike) -> str | None:
+    """``"dump"`` or ``"checkpoint"`` if ``path`` is a directory (not a symlink) whose
+    manifest parses as a tqtx dump / checkpoint, else None. Reads only the manifest."""
+    p = abs_path(path)
+    if p.is_symlink() or not p.is_dir():
+        return None
+    m = _read_json(p / DUMP_MANIFEST)
+    if (isinstance(m, dict) and _is_int(m.get("format_version"))
+            and isinstance(m.get("dump_id"), str) and isinstance(m.get("partition_id"), str)
+            and isinstance(m.get("row_index"), dict) and isinstance(m.get("shards"), list)):
+        return "dump"
+    m = _read_json(p / CHECKPOINT_MANIFEST)
+    if isinstance(m, dict) and m.get("kind") == CHECKPOINT_KIND and _is_int(m.get("format_version")):
+        return "checkpoint"
+    return None
+
+
+def replaceable(path: str | os.PathLike, kind: str) -> bool:
+    """May a new ``kind`` ("dump" or "checkpoint") replace what is at ``path``? True for a
+    tqtx ``kind`` or an empty directory (it holds nothing to lose)."""
+    p = abs_path(path)
+    if p.is_symlink() or not p.is_dir():
+        return False
+    return manifest_kind(p) == kind or not any(os.scandir(p))
+
+
+def journal_accounts_for_old(dump_dir: str | os.PathLike, journal: Path | None = None) -> bool:
+    """Does an unfinished publication in the dump journal say ``<dump>.old`` may be tqtx's?
+    (Read-only; False without a readable journal.)"""
+    path = journal or dump_journal_path(dump_dir)
+    if not path.exists():
+        return False
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error:
+        return False
+    try:
+        marks = ",".join("?" * len(_OLD_PHASES))
+        row = con.execute(f"SELECT count(*) FROM publications WHERE phase IN ({marks})",
+                          _OLD_PHASES).fetchone()
+        return bool(row and row[0])
+    except sqlite3.Error:
+        return False
+    finally:
+        con.close()
+
+
+def check_publish_target(target: str | os.PathLike, kind: str) -> Path:
+    """Refuse, before anything is touched, to publish a ``kind`` at ``target`` unless what is
+    there is tqtx's to replace; returns the absolute target.
+
+    Allowed: a missing path, an empty directory, a complete tqtx ``kind``. Refused with
+    :class:`TargetNotADumpError`: anything else (a file, a symlink, a directory with other
+    contents, a dump of the other kind, the root or the working directory unless it is a
+    tqtx ``kind``), and a ``<target>.old`` no unfinished publication accounts for.
+    :class:`ReadOnlyDumpError` when nothing can be written beside ``target``.
+    """
+    p = abs_path(target)
+    what = "checkpoint" if kind == "checkpoint" else "dump"
+
+    def refuse(reason: str, path: Path = p) -> TargetNotADumpError:
+        return TargetNotADumpError(
+            f"{path}: {reason}; tqtx replaces only an empty directory or a tqtx {what} it "
+            f"made, so it refuses to publish a {what} there (choose another path, or move "
+            f"it away first)", path=str(path))
+
+    if p == p.parent:
+        raise refuse("is the filesystem root")
+    if p.is_symlink():
+        raise refuse(f"is a symbolic link (to {os.readlink(p)!r})")
+    if p.exists():
+        if not p.is_dir():
+            raise refuse("is an existing file, not a directory")
+        found = manifest_kind(p)
+        if found != kind:
+            try:
+                here = abs_path(os.getcwd())
+            except OSError:
+                here = None
+            if found is not None:
+                raise refuse(f"is a tqtx {found}, not a {what}")
+            if here is not None and (p == here or p in here.parents):
+                raise refuse("is the working directory" if p == here
+                             else "contains the working directory")
+            names = sorted(e.name for e in os.scandir(p))
+            if names:
+                shown = ", ".join(repr(n) for n in names[:5])
+                more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+                manifest = CHECKPOINT_MANIFEST if kind == "checkpoint" else DUMP_MANIFEST
+                count = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
+                raise refuse(f"is a directory holding {count} ({shown}{more}) "
+                             f"and no valid {manifest}, so it is not a tqtx {what}")
+    old = old_path(p)
+    if (old.exists() or old.is_symlink()) and not journal_accounts_for_old(p):
+        raise refuse(f"exists beside {p.name}, and no publication in the dump journal made "
+                     f"it (tqtx needs that name while it swaps the {what} in)", old)
+    parent = _nearest_existing_parent(p)
+    if not parent.is_dir():
+        raise refuse(f"cannot be created: {parent} is an existing file, not a directory")
+    if not siblings_writable(p):
+        raise ReadOnlyDumpError(f"{p}: is on read-only storage (cannot create files in "
+                                f"{p.parent}); a {what} cannot be published there",
+                                path=str(p))
+    return p
+
+
+def _read_json(path: Path):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read(16 << 20) or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1

@@ -1,0 +1,140 @@
+"""A storage unit's footprint follows its data: freed row memory goes back to the OS.
+
+Rows are many medium-sized buffers (received ZeroMQ frames, records read from a dump)
+allocated by glibc malloc from its heaps/arenas. When rows are dropped, overwritten or
+replaced by a restore, glibc keeps the freed pages for reuse and the process's RSS stays
+at its high-water mark. ``malloc_trim(0)`` hands every whole free page of every arena back
+(``madvise(MADV_DONTNEED)``); it is called from a watcher thread whenever the bytes malloc
+holds free (``mallinfo2().fordblks``) grew by more than ``TQTX_TRIM_BYTES`` (default
+256 MiB, 0 turns trimming off) since the last trim, and once more when the unit has been
+quiet for a second (see :class:`Trimmer`; each check reads ``mallinfo2``, about 1 ms with
+thousands of free chunks, every ``TQTX_TRIM_PERIOD`` = 0.2 s; a trim costs ≈50 ms per
+150 MiB freed). Elsewhere than glibc this is a no-op. Pages handed back are mapped again,
+zero-filled, when reused: a put after a trim pays that first touch, as in a fresh process.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+
+from ..wire.codec import INLINE_LIMIT
+from ..wire.values import RawTensor
+
+log = logging.getLogger("tqtx.unit")
+
+TRIM_BYTES = int(os.environ.get("TQTX_TRIM_BYTES", str(256 << 20)))
+PERIOD = float(os.environ.get("TQTX_TRIM_PERIOD", "0.2"))
+QUIET_CHECKS = 5  # unchanged for 1 s at the default period
+QUIET_BYTES = 1 << 20
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+        libc.mallinfo2.argtypes = []
+        libc.mallinfo2.restype = _Mallinfo2
+        return libc
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33 (no mallinfo2)
+        return None
+
+
+_LIBC = _libc()
+
+
+def free_bytes() -> int | None:
+    """Bytes malloc holds free in its arenas (None where unknown)."""
+    return int(_LIBC.mallinfo2().fordblks) if _LIBC is not None else None
+
+
+def trim() -> bool:
+    """Return every whole free page malloc holds to the OS; True if any was."""
+    return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
+
+
+class Trimmer:
+    """Calls :func:`trim` when malloc's free bytes grew by ``threshold`` since the last trim
+    (memory stays bounded during a long burst of drops), and once more when they stopped
+    changing for ``quiet_checks`` checks in a row at another value than right after the last
+    trim (the unit went quiet after freeing rows: settle at idle + live). Waiting for quiet
+    rather than trimming at once lets a put that follows a clear (the usual training loop)
+    reuse the freed pages instead of faulting fresh ones."""
+
+    def __init__(self, threshold: int = TRIM_BYTES, period: float = PERIOD,
+                 quiet_checks: int = QUIET_CHECKS):
+        self.threshold, self.period, self.quiet_checks = threshold, period, quiet_checks
+        self.trims = 0
+        self._stop = threading.Event()
+        self._base = self._last = free_bytes() or 0
+        self._same = 0  # consecutive checks that saw the same free bytes
+        self._thread = threading.Thread(target=self._run, name="tqtx-trim", daemon=True)
+
+    def check(self) -> bool:
+        """One check; trims and returns True if it is time to."""
+        free = free_bytes()
+        if free is None:
+            return False
+        self._same = self._same + 1 if free == self._last else 0
+        self._last = free
+        if free < self._base:
+            self._base = free  # freed memory was reused: measure growth from here
+        grown = free - self._base
+        quiet = self._same >= self.quiet_checks and grown > QUIET_BYTES
+        if grown < self.threshold and not quiet:
+            return False
+        trim()
+        self.trims += 1
+        self._base = self._last = free_bytes() or 0  # trimmed pages still count as free
+        self._same = 0
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.check()
+            except Exception as exc:  # never take the unit down for this
+                log.warning("malloc trim watcher stopped: %s", exc)
+                return
+
+    def start(self) -> "Trimmer":
+        if _LIBC is not None and self.threshold > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_trimmer() -> Trimmer:
+    """Start the watcher thread of this process (a unit's ``__main__`` calls it)."""
+    return Trimmer().start()
+
+
+# libzmq (4.3) reads a connection into shared receive buffers of ZMQ_IN_BATCH_SIZE (8 KiB)
+# and hands out a message that fits in one as a view into it: a stored row frame of 5 KiB
+# would keep its whole 8 KiB buffer alive (measured: +4 KiB per 5 KiB row). Larger
+# messages get an allocation of their own.
+SHARED_RECV_LIMIT = 8192
+
+
+def own_small_frames(values: dict) -> dict:
+    """A put row's field values with every tensor frame small enough to share a ZeroMQ
+    receive buffer copied into bytes of its own (larger ones stay zero-copy)."""
+    out = None
+    for field, v in values.items():
+        if type(v) is RawTensor and type(v.data) is memoryview and \
+                INLINE_LIMIT < v.data.nbytes <= SHARED_RECV_LIMIT:
+            if out is None:
+                out = dict(values)
+            out[field] = v.compact()
+    return values if out is None else out

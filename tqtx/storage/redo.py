@@ -1,0 +1,101 @@
+"""REDO_RESTORE: a unit re-reads a committed restore's rows from the dump.
+
+Mixed into :class:`tqtx.storage.unit.StorageUnit` (uses its server, pool, lock, staging
+and applied records). See docs/data_dump.md, "Roll-forward from the dump".
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .. import faults
+from ..dump import format as fmt
+from ..errors import DumpFormatError
+from ..wire.values import value_nbytes
+
+log = logging.getLogger("tqtx.unit")
+
+
+class RedoRestore:
+    """Unit handlers for rolling a committed restore forward from its dump."""
+
+    def redo_restore(self, body, req):
+        """Re-stage a committed restore's rows from the dump (idempotent by restore ID).
+
+        Sent by the controller after the commit decision to a unit that answered
+        APPLY_STAGED with ``lost`` (it restarted after staging). Already applied or still
+        staged here: nothing to read. Otherwise the unit reads its records from the dump
+        itself (locations from the dump index), verifies them like LOAD_ROWS and stages
+        them; the controller then sends APPLY_STAGED. A dump that is gone, replaced or
+        damaged is answered ``{"failed": why}`` rather than an error, so the controller can
+        keep the restore unresolved and name the cause. Body: ``restore_id``, ``dump_dir``,
+        ``dump_id``, ``items`` ([dest, fresh, src], ...), ``field_schema``.
+        """
+        rid = body["restore_id"]
+        done = self.applied.get(rid)
+        if done is not None:
+            return {**done, "applied": True}
+        with self.lock:
+            staged = self.staging.get(rid)
+            if staged is not None:
+                return {"rows": len(staged), "staged": True}
+            deferred = self.server.deferred(req, self.server.current_ident)
+            waiting = self.redoing.get(rid)
+            if waiting is not None:  # a redo of this restore is already reading: join it
+                waiting.append(deferred)
+                return deferred
+            self.redoing[rid] = [deferred]
+        self.pool.submit(self._redo_job, rid, body)
+        return deferred
+
+    def _redo_job(self, rid, body):
+        t0 = time.perf_counter()
+        result, error = None, None
+        try:
+            result = self._redo_read(rid, body)
+            log.info("restore %s: unit %d re-staged %d rows (%d bytes) from %s in %.3fs", rid,
+                     self.unit_id, result["rows"], result["bytes"], body["dump_dir"],
+                     time.perf_counter() - t0)
+        except faults.DropReply as exc:
+            error = exc
+        except BaseException as exc:  # every cause is named in the reply
+            log.error("restore %s: unit %d cannot roll forward from %s: %s", rid, self.unit_id,
+                      body.get("dump_dir"), exc)
+            result = {"failed": f"{type(exc).__name__}: {exc}"}
+        with self.lock:
+            waiting = self.redoing.pop(rid, [])
+        for deferred in waiting:
+            deferred.reply(result, error=error)
+
+    def _redo_read(self, rid, body) -> dict:
+        dump_dir = body["dump_dir"]
+        index = fmt.read_dump_index(dump_dir)
+        if body.get("dump_id") and index.dump_id != body["dump_id"]:
+            raise DumpFormatError(
+                f"{dump_dir}: now holds dump {index.dump_id}, not dump {body['dump_id']} that "
+                f"restore {rid} read")
+        locations = index.record_locations()
+        schema = body["field_schema"]
+        by_shard: dict[str, list] = {}
+        targets: dict[int, list] = {}
+        for dest, fresh, src in body["items"]:
+            if src not in locations:
+                raise DumpFormatError(f"{dump_dir}: has no record of global index {src}")
+            if src not in targets:
+                path, offset, length, crc = locations[src]
+                by_shard.setdefault(str(path), []).append([src, offset, length, crc])
+            targets.setdefault(src, []).append((dest, bool(fresh)))
+        staged: dict[int, tuple[bool, dict]] = {}
+        nbytes = 0
+        for path, entries in by_shard.items():
+            for batch in fmt.read_records(path, entries, batch=128):
+                for src, row in batch:
+                    fmt.validate_row(row, schema, where=f"{path} record of global index {src}")
+                    for dest, fresh in targets[src]:
+                        staged[dest] = (fresh, row)
+                    nbytes += sum(value_nbytes(v) for v in row.values())
+        faults.hit("unit.redo.after_read")
+        with self.lock:
+            if rid not in self.applied:
+                self.staging[rid] = staged
+        return {"rows": len(staged), "bytes": nbytes, "redone": True}
