@@ -148,6 +148,7 @@ def test_concurrent_clients_with_dump_and_restore(tq_start, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # ~95 s alone: 30 s of load, then at least 20 dump/restore rounds
 def test_concurrent_clients_long(tq_start, tmp_path):
     _run_concurrent(tq_start, tmp_path, writers=6, seconds=30.0, rounds_min=20)
 
@@ -266,5 +267,6 @@ def test_stateful_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # ~100 s alone; more beside the other xdist workers
 def test_stateful_model_long(tmp_path):
     _run_machine(tmp_path, examples=60, steps=40)
