@@ -26,16 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from get_throughput import MiB, rollout_buffer  # noqa: E402
-
-
-def _status(pid: int) -> dict:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":", 1)
-                out[k] = int(v.split()[0]) * 1024
-    return out
+from tqtx.bench import _proc_status  # noqa: E402  (VmRSS / VmHWM of a pid)
 
 
 def _reset_peak(pid: int) -> None:
@@ -68,7 +59,7 @@ def main(argv=None) -> int:
         client = tq.get_client()
         pids = [client.fan_out("GET_STATS", {u: {}})[u]["pid"] for u in range(a.units)]
         time.sleep(a.settle)
-        cold = [_status(x)["VmRSS"] for x in pids]
+        cold = [_proc_status(x)["VmRSS"] for x in pids]
         # "idle": a unit that served every kind of request once and holds no rows (imports,
         # its I/O threads and their malloc arenas are part of a running unit)
         warm = os.path.join(base, "warm")
@@ -79,7 +70,7 @@ def main(argv=None) -> int:
         tq.kv_batch_get(keys[:w], pid)
         tq.kv_clear(keys[:w], pid)
         time.sleep(a.settle)
-        idle = [_status(x)["VmRSS"] for x in pids]
+        idle = [_proc_status(x)["VmRSS"] for x in pids]
         dump_dir = os.path.join(base, "dump")
 
         def step(name, fn):
@@ -92,7 +83,7 @@ def main(argv=None) -> int:
             stats = client.fan_out("GET_STATS", {u: {} for u in range(a.units)})
             units = []
             for u, x in enumerate(pids):
-                st = _status(x)
+                st = _proc_status(x)
                 live = stats[u]["bytes"]
                 want = idle[u] + live
                 units.append({"rss": st["VmRSS"], "peak": st["VmHWM"], "live": live,

@@ -15,24 +15,14 @@ import pytest
 
 import tqtx as tq
 from tqtx import PeerDiedError, StateDirInUseError, owner
-from tq_procs import JobProcess, alive, job_context, job_env, race_member, wait_gone
+from tq_procs import alive, job_context, job_env, job_processes, race_member, wait_gone
 
 
 @pytest.fixture
 def procs():
     """Start job processes with ``start(n, env)``; all are killed after the test."""
-    started: list[JobProcess] = []
-
-    def start(n: int, env: dict | None = None) -> list[JobProcess]:
-        new = [JobProcess(env) for _ in range(n)]
-        started.extend(new)
-        for p in new:
-            p.wait_ready()
-        return new
-
-    yield start
-    for p in started:
-        p.cleanup()
+    with job_processes() as start:
+        yield start
 
 
 def _dead_pid() -> int:

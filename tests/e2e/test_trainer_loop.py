@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from tq_procs import JobProcess, alive, step_samples, wait_gone
+from tq_procs import JobProcess, alive, job_processes, step_samples, wait_gone
 
 PID = "train"
 WORKERS = 4
@@ -57,18 +57,8 @@ def assert_holds(proc: JobProcess, state: dict) -> None:
 @pytest.fixture
 def job():
     """``start(n, env)`` starts job processes; all are killed after the test."""
-    started: list[JobProcess] = []
-
-    def start(n: int, env: dict) -> list[JobProcess]:
-        new = [JobProcess(env) for _ in range(n)]
-        started.extend(new)
-        for p in new:
-            p.wait_ready()
-        return new
-
-    yield start
-    for p in started:
-        p.cleanup()
+    with job_processes() as start:
+        yield start
 
 
 def test_trainer_loop_checkpoint_sigkill_resume(tmp_path, job):

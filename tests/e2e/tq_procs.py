@@ -8,6 +8,7 @@ trainer drives its workers: a command is the per-step go signal, its reply the b
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 STATUSES = ("pending", "running", "finished")
@@ -285,6 +286,25 @@ class JobProcess:
     def cleanup(self) -> None:
         self.kill()
         self.conn.close()
+
+
+@contextlib.contextmanager
+def job_processes():
+    """``start(n, env=None)`` starts ``n`` ready job processes; all are killed on exit."""
+    started: list[JobProcess] = []
+
+    def start(n: int, env: dict | None = None) -> list[JobProcess]:
+        new = [JobProcess(env) for _ in range(n)]
+        started.extend(new)
+        for p in new:
+            p.wait_ready()
+        return new
+
+    try:
+        yield start
+    finally:
+        for p in started:
+            p.cleanup()
 
 
 def alive(pid: int) -> bool:
