@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
     import tqtx as tq
     from tqtx import client as cl, tensors
-    from tqtx.wire import rpc
+    from tqtx.wire import peer as rpc_peer
 
     keys, td, _rows = rollout_buffer(a.mb)
     nbytes = payload_bytes(td)
@@ -71,8 +71,9 @@ def main(argv=None) -> int:
     try:
         tq.kv_batch_put(keys, "prof", td)
         client = tq.get_client()
-        rpc.Peer.call = _timer("call", rpc.Peer.call, key=lambda self, op, *a, **k: f"rpc {op}")
-        rpc.Peer._decode = _timer("client decode of replies", rpc.Peer._decode)
+        rpc_peer.Peer.call = _timer("call", rpc_peer.Peer.call,
+                                    key=lambda self, op, *a, **k: f"rpc {op}")
+        rpc_peer.Peer._decode = _timer("client decode of replies", rpc_peer.Peer._decode)
         cl.Client.get_rows = _timer("Client.get_rows", cl.Client.get_rows)
         cl.Client.fan_out = _timer("fan_out", cl.Client.fan_out,
                                    key=lambda self, op, *a, **k: f"fan_out {op}")

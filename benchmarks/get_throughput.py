@@ -34,6 +34,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import JsonWorker, serve  # noqa: E402
+
 MiB = 2**20
 ROWS_PER_MIB = 30
 DEFAULT_TQ_PYTHON = "/work/tq-venv/bin/python"
@@ -194,15 +197,7 @@ def worker(args) -> int:
     res.write(json.dumps({"ready": True, "bytes": payload_bytes(data["rollout"][1]),
                           "rows": len(data["rollout"][0]), "module": where}) + "\n")
     try:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd["op"] == "stop":
-                break
-            try:
-                r = run_rep(eng, data, args.tiny, cmd.get("check", False))
-                res.write(json.dumps({"result": r}) + "\n")
-            except Exception as exc:
-                res.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        serve(res, lambda cmd: run_rep(eng, data, args.tiny, cmd.get("check", False)))
     finally:
         if eng is not None:
             eng.close()
@@ -210,50 +205,21 @@ def worker(args) -> int:
 
 
 # ---------------------------------------------------------------- parent
-class Worker:
-    def __init__(self, kind: str, python: str, a, pythonpath: str | None = None):
-        r, w = os.pipe()
-        env = {**os.environ, "TQTX_LOG_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled",
-               "RAY_DEDUP_LOGS": "0"}
-        env.pop("RAY_ADDRESS", None)
-        if pythonpath:  # its units inherit it, so they run the same tree
-            env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(pythonpath),
-                                                 env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self.kind = kind
-        self.proc = subprocess.Popen(
-            [python, os.path.abspath(__file__), "--worker", "tqtx" if kind == "base" else kind,
-             "--result-fd", str(w),
-             "--units", str(a.units), "--mb", str(a.mb), "--tiny", str(a.tiny)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=open(a.log, "a"),
-            pass_fds=(w,), env=env, text=True,
-            cwd=pythonpath or None)  # `python -m tqtx.storage` puts the cwd first on sys.path
-        os.close(w)
-        self.res = os.fdopen(r)
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        line = self.res.readline()
-        if not line:
-            raise RuntimeError(f"{self.kind} worker exited (code {self.proc.wait()}); "
-                               f"see its log")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(f"{self.kind} worker: {msg['error']}")
-        return msg
-
-    def rep(self, check: bool) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "rep", "check": check}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()["result"]
-
-    def stop(self):
-        try:
-            self.proc.stdin.write('{"op": "stop"}\n')
-            self.proc.stdin.flush()
-            self.proc.wait(120)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
+def _start_worker(kind: str, python: str, a, pythonpath: str | None = None) -> JsonWorker:
+    """The worker of one engine under ``python``, its ready line read into ``.info``."""
+    env = {**os.environ, "TQTX_LOG_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled",
+           "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    if pythonpath:  # its units inherit it, so they run the same tree
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(pythonpath),
+                                             env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    w = JsonWorker(
+        kind, [python, os.path.abspath(__file__), "--worker", "tqtx" if kind == "base" else kind,
+               "--units", str(a.units), "--mb", str(a.mb), "--tiny", str(a.tiny)],
+        a.log, env=env,
+        cwd=pythonpath or None)  # `python -m tqtx.storage` puts the cwd first on sys.path
+    w.info = w.read()
+    return w
 
 
 def main(argv=None) -> int:
@@ -287,8 +253,8 @@ def main(argv=None) -> int:
     workers = {}
     try:
         for k in kinds:
-            workers[k] = Worker(k, a.tq_python if k == "tq" else sys.executable, a,
-                                pythonpath=a.baseline if k == "base" else None)
+            workers[k] = _start_worker(k, a.tq_python if k == "tq" else sys.executable, a,
+                                       pythonpath=a.baseline if k == "base" else None)
         info = workers["tqtx"].info
         if "base" in workers:
             print(f"tqtx: {info['module']}; base: {workers['base'].info['module']}")
@@ -299,7 +265,7 @@ def main(argv=None) -> int:
         for rep in range(a.reps):
             order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
             for k in order:
-                for op, s in workers[k].rep(check=rep == 0).items():
+                for op, s in workers[k].call("rep", check=rep == 0).items():
                     times[k][op].append(s)
             print(f"rep {rep + 1}/{a.reps}: " + ", ".join(
                 f"{k} get {times[k]['rollout get'][-1]:.3f}s" for k in kinds), flush=True)

@@ -4,9 +4,9 @@ A local ``ray.cluster_utils.Cluster`` (a head and two extra nodes, all on 127.0.
 the "nodes" share this machine's CPUs, memory and disk) hosts a Ray-placed deployment
 whose units are pinned round-robin over the three nodes; the embedded deployment runs the
 same number of units as child processes. Both get the same realistic rollout buffer
-(:func:`tqtx.demo.make_buffer`: jagged prompt/response ids, log-probs, rewards, text,
+(:func:`tqtx.demo.data.make_buffer`: jagged prompt/response ids, log-probs, rewards, text,
 tags). For each: V2 save (units write, ``dump_data_by_key``), V2 save through the client
-(``via="client"``), V1 save (``kv_batch_get`` + ``torch.save`` + fsync, see tqtx.bench),
+(``via="client"``), V1 save (``kv_batch_get`` + ``torch.save`` + fsync, see benchmarks/baselines.py),
 then V2 and V1 restores into the cleared partition, and the shared-filesystem probe alone
 (``probe``: skipped, ~0, for the embedded deployment; one round trip on Ray, included in
 "save V2 units"). Medians of ``--reps`` runs, two rounds, embedded and Ray alternating.
@@ -37,11 +37,11 @@ def _args(argv):
 
 
 def _put(tq, buf, pid):
-    from tqtx.demo import _tensordict
+    from tqtx.demo.data import tensordict_of
     n = len(buf["keys"])
     for lo in range(0, n, 512):
         hi = min(n, lo + 512)
-        tq.kv_batch_put(buf["keys"][lo:hi], pid, _tensordict(buf, lo, hi),
+        tq.kv_batch_put(buf["keys"][lo:hi], pid, tensordict_of(buf, lo, hi),
                         tags=buf["tags"][lo:hi])
 
 
@@ -58,7 +58,7 @@ VARIANTS = ("save V1", "save V2 units", "save V2 client", "restore V1", "restore
 def measure(tq, buf, pid, work, reps, times: dict) -> None:
     """Append the seconds of each variant on the running deployment to ``times``; the
     first (warm-up) repetition is not recorded."""
-    from tqtx.bench import v1_restore, v1_save
+    from baselines import v1_restore, v1_save
     keys = buf["keys"]
     _put(tq, buf, pid)
     for r in range(reps + 1):
@@ -88,12 +88,12 @@ def main(argv=None) -> int:
     from ray.cluster_utils import Cluster
 
     import tqtx as tq
-    from tqtx.demo import _payload_bytes, make_buffer
+    from tqtx.demo.data import make_buffer, payload_bytes
 
     work = tempfile.mkdtemp(prefix="tqtx-raybench-", dir=a.dir)
     ray_tmp = tempfile.mkdtemp(prefix="tqtx-ray-", dir="/tmp")
     buf = make_buffer(a.samples, int(a.mb * 2**20))
-    mib = _payload_bytes(buf) / 2**20
+    mib = payload_bytes(buf) / 2**20
     times = {kind: {k: [] for k in VARIANTS} for kind in ("embedded", "ray")}
     cluster = None
     try:

@@ -26,15 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from get_throughput import MiB, rollout_buffer  # noqa: E402
-from tqtx.bench import _proc_status  # noqa: E402  (VmRSS / VmHWM of a pid)
-
-
-def _reset_peak(pid: int) -> None:
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+from _common import proc_status, reset_peak  # noqa: E402  (VmRSS / VmHWM of a pid)
 
 
 def main(argv=None) -> int:
@@ -59,7 +51,7 @@ def main(argv=None) -> int:
         client = tq.get_client()
         pids = [client.fan_out("GET_STATS", {u: {}})[u]["pid"] for u in range(a.units)]
         time.sleep(a.settle)
-        cold = [_proc_status(x)["VmRSS"] for x in pids]
+        cold = [proc_status(x)["VmRSS"] for x in pids]
         # "idle": a unit that served every kind of request once and holds no rows (imports,
         # its I/O threads and their malloc arenas are part of a running unit)
         warm = os.path.join(base, "warm")
@@ -70,12 +62,12 @@ def main(argv=None) -> int:
         tq.kv_batch_get(keys[:w], pid)
         tq.kv_clear(keys[:w], pid)
         time.sleep(a.settle)
-        idle = [_proc_status(x)["VmRSS"] for x in pids]
+        idle = [proc_status(x)["VmRSS"] for x in pids]
         dump_dir = os.path.join(base, "dump")
 
         def step(name, fn):
             for x in pids:
-                _reset_peak(x)
+                reset_peak(x)
             t0 = time.perf_counter()
             fn()
             seconds = time.perf_counter() - t0
@@ -83,7 +75,7 @@ def main(argv=None) -> int:
             stats = client.fan_out("GET_STATS", {u: {} for u in range(a.units)})
             units = []
             for u, x in enumerate(pids):
-                st = _proc_status(x)
+                st = proc_status(x)
                 live = stats[u]["bytes"]
                 want = idle[u] + live
                 units.append({"rss": st["VmRSS"], "peak": st["VmHWM"], "live": live,

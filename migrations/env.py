@@ -5,7 +5,7 @@ Both chains live in ``versions/`` and are told apart by alembic branch labels:
 ``dump`` (``d0001``, ``d0002``, ...) for ``<dump_dir>.journal.sqlite``. A database only ever
 holds one chain, so upgrade with ``controller@head`` or ``dump@head`` -- never ``heads``.
 
-tqtx runs migrations programmatically (``tqtx.journal.store.upgrade``), passing an open
+tqtx runs migrations programmatically (``tqtx.journal.migrate.upgrade_engine``), passing an open
 connection in ``config.attributes["connection"]`` and the chain name in
 ``config.attributes["chain"]``. From the alembic command line pass ``-x journal=controller``
 (or ``dump``) and ``-x url=sqlite:///path``.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 
 import pytest
@@ -76,3 +77,27 @@ def tq_shared(_shared_state_dir):
 def pid():
     """A partition id unique to the test."""
     return f"p-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def point_reached(monkeypatch):
+    """``point_reached(point)``: a threading.Event set when fault point ``point`` is hit.
+
+    Wraps ``tqtx.faults.hit`` in this process (the configured fault still runs after the
+    event is set) until the end of the test.
+    """
+    from tqtx import faults
+
+    def watch(point: str) -> threading.Event:
+        reached = threading.Event()
+        hit = faults.hit
+
+        def spy(name):
+            if name == point:
+                reached.set()
+            hit(name)
+
+        monkeypatch.setattr(faults, "hit", spy)
+        return reached
+
+    return watch

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from tqtx.errors import PeerDiedError, PeerTimeoutError
-from tqtx.wire.rpc import Peer, Server, call_many
+from tqtx.wire.peer import Peer, call_many
+from tqtx.wire.rpc import Server
 
 
 class _Unit:

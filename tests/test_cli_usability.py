@@ -10,9 +10,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from tqtx.cli import NOT_A_DUMP_EXIT, main
-from tqtx.dump import format as F
+from tqtx.cli import main
+from tqtx.cli.dump import NOT_A_DUMP_EXIT
+from tqtx import format as F
 from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.schema import infer_schema
 
 
 @pytest.fixture
@@ -94,7 +96,7 @@ def test_journal_show_is_readable_at_80_columns_in_a_pipe(runner, journal_state)
         if m:
             fields.setdefault(m.group(1), []).append(m.group(2))
         elif line.strip():  # anything else is a heading
-            assert line.startswith(("controller journal ", *"rdpi")), line
+            assert line.startswith(("controller journal ", *"rdpib")), line
         if len(line) > 80:  # only a long unbreakable value (a path) may pass 80 columns
             assert " " not in (m.group(2) if m else line.split(" ", 2)[-1]), line
     # every column header, with whole values: IDs and paths are never cut
@@ -137,7 +139,7 @@ def _build_dump(d):
     entries = w.close()
     idx = F.write_shard_index(d, 0, entries)
     ri = F.write_row_index(d, partition_id="p", dump_id="d1",
-                           field_schema={"x": F.infer_schema([b"abc"])},
+                           field_schema={"x": infer_schema([b"abc"])},
                            rows=[["k0", 0, ["x"], None]])
     F.write_manifest(d, dump_id="d1", partition_id="p", keys=1, rows_with_data=1,
                      bytes=w.bytes_written, row_index=ri,

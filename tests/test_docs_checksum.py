@@ -11,7 +11,7 @@ from pathlib import Path
 
 from crc32c import crc32c
 
-from tqtx.dump import format as fmt
+from tqtx import format as fmt
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

@@ -1,4 +1,4 @@
-"""Tests of the on-disk dump format (tqtx.dump.format): records, shards, indexes, manifest."""
+"""Tests of the on-disk dump format (tqtx.format): records, shards, indexes, manifest."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tqtx import faults
-from tqtx.dump import format as F
+from tqtx import faults, fsutil
+from tqtx import format as F
 from tqtx.errors import DumpFormatError
-from tqtx.wire.values import RawTensor
+from tqtx.format import shard as shard_mod
+from tqtx.schema import infer_schema, merge_schema_strict, validate_row
+from tqtx.wire import codec
+from tqtx.wire.values import DTYPE_SIZES, RawTensor
 
 
 def T(dtype, shape, fill=None):
@@ -22,7 +25,7 @@ def T(dtype, shape, fill=None):
     n = 1
     for s in shape:
         n *= s
-    nbytes = n * F.DTYPE_SIZES[dtype]
+    nbytes = n * DTYPE_SIZES[dtype]
     data = bytes((i * 7 + (fill or 0)) % 251 for i in range(nbytes))
     if dtype == "bool":
         data = bytes(b & 1 for b in data)
@@ -62,8 +65,8 @@ def build_dump(dump_dir: Path, rows, units=(0, 1)) -> Path:
         if row:
             per_unit[units[n % len(units)]].append((gidx, row))
             for f, v in row.items():
-                s = F.infer_schema([v])
-                schema[f] = F.merge_schema(schema[f], s) if f in schema else s
+                s = infer_schema([v])
+                schema[f] = merge_schema_strict(schema[f], s) if f in schema else s
     shards = []
     total = 0
     for u, urows in per_unit.items():
@@ -170,6 +173,36 @@ def test_non_contiguous_and_typed_views():
     assert row == rows
 
 
+def test_record_objects_are_codec_packb_bytes():
+    """Records use the one msgpack codec: every object entry is exactly codec.packb of the
+    value (all value kinds, nested tensors inline), and the layout is pinned byte for byte."""
+    row = {**sample_rows()[1][2], "set": {3, 1, 2}, "blob": b"\x00\x01", "yes": True,
+           "neg": -2**63, "nested": [T("uint8", [5000], 1), {"x": 1.5, 2: "int key"}],
+           "big": T("uint8", [9000], 2)}
+    bufs, length, crc = F.encode_record(9, row)
+    rec = b"".join(bytes(b) for b in bufs)
+    assert len(rec) == length and F.checksum(rec) == crc
+    magic, hlen = struct.unpack_from("<4sI", rec)
+    assert magic == F.RECORD_MAGIC
+    header = codec.unpack_stored(rec[F.PREFIX_SIZE:F.PREFIX_SIZE + hlen])
+    assert list(header["f"]) == list(row)
+    for name, value in row.items():
+        spec = header["f"][name]
+        if isinstance(value, RawTensor):
+            assert spec[:3] == ["t", value.dtype, list(value.shape)], name
+        else:
+            assert spec == ["o", codec.packb(value)], name
+    _, got = F.decode_record(rec)
+    assert got == {**row, "set": [1, 2, 3]}
+
+    bufs, length, crc = F.encode_record(5, {"t": RawTensor("int16", [2], b"\x01\x00\x02\x00"),
+                                            "o": {"s": "x", "e": RawTensor("uint8", [1], b"\x07")}})
+    assert b"".join(bytes(b) for b in bufs).hex() == (
+        "545152313300000082a16905a16682a17495a174a5696e74313691020004a16f92a16fc41682a173a178"
+        "a165c70c0293a575696e74389101c4010701000200")
+    assert (length, crc) == (63, 0xca5b03df)
+
+
 def test_encode_rejects_bad_values():
     with pytest.raises(ValueError, match="field 'x'"):
         F.encode_record(1, {"x": RawTensor("int64", [3], bytes(8))})
@@ -180,7 +213,7 @@ def test_encode_rejects_bad_values():
 
 
 def test_record_with_more_buffers_than_iov_max(tmp_path, monkeypatch):
-    monkeypatch.setattr(F, "_IOV_MAX", 4)
+    monkeypatch.setattr(fsutil, "IOV_MAX", 4)
     rows = [(i, {f"f{j}": T("uint8", [5000], i + j) for j in range(9)}) for i in range(5)]
     w = F.ShardWriter(tmp_path / "s.bin")
     w.write_rows(rows)
@@ -205,7 +238,7 @@ def test_partial_writev(tmp_path, monkeypatch):
         calls.append(1)
         return real(fd, out)
 
-    monkeypatch.setattr(F.os, "writev", short_writev)
+    monkeypatch.setattr(os, "writev", short_writev)
     rows = [(i, {"a": T("uint8", [7000], i), "b": T("int64", [3], i)}) for i in range(20)]
     w = F.ShardWriter(tmp_path / "s.bin")
     w.write_rows(rows[:10])
@@ -218,7 +251,7 @@ def test_partial_writev(tmp_path, monkeypatch):
 
 
 def test_large_rows_use_async_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr(F, "_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(shard_mod, "_BATCH_BYTES", 1 << 20)
     rows = [(i, {"x": T("uint8", [300_000], i % 7)}) for i in range(20)]
     w = F.ShardWriter(tmp_path / "s.bin")
     w.write_rows(iter(rows))
@@ -312,28 +345,28 @@ def test_decode_record_validation():
 
 
 def test_schema_helpers():
-    s = F.infer_schema([T("int64", [3]), T("int64", [3])])
+    s = infer_schema([T("int64", [3]), T("int64", [3])])
     assert s == {"kind": "tensor", "dtype": "int64", "shape": [3], "jagged": False, "ndim": 1}
-    j = F.infer_schema([T("int64", [3]), T("int64", [4])])
+    j = infer_schema([T("int64", [3]), T("int64", [4])])
     assert j["jagged"] and j["shape"] is None
-    assert F.merge_schema(s, F.infer_schema([T("int64", [5])]))["jagged"]
-    assert F.merge_schema(s, s) == s
-    assert F.infer_schema(["a", None, {"x": 1}]) == {"kind": "object"}
+    assert merge_schema_strict(s, infer_schema([T("int64", [5])]))["jagged"]
+    assert merge_schema_strict(s, s) == s
+    assert infer_schema(["a", None, {"x": 1}]) == {"kind": "object"}
     with pytest.raises(ValueError):
-        F.merge_schema(s, F.infer_schema([T("int32", [3])]))
+        merge_schema_strict(s, infer_schema([T("int32", [3])]))
     with pytest.raises(ValueError):
-        F.infer_schema([T("int64", [3]), "x"])
+        infer_schema([T("int64", [3]), "x"])
     with pytest.raises(ValueError):
-        F.infer_schema([T("int64", [3]), T("int64", [3, 1])])
+        infer_schema([T("int64", [3]), T("int64", [3, 1])])
 
     schema = {"a": s, "j": j, "o": {"kind": "object"}}
-    F.validate_row({"a": T("int64", [3]), "j": T("int64", [7]), "o": [1]}, schema, where="w")
+    validate_row({"a": T("int64", [3]), "j": T("int64", [7]), "o": [1]}, schema, where="w")
     for row, msg in [({"a": T("int32", [3])}, "dtype"), ({"a": T("int64", [4])}, "shape"),
                      ({"a": "x"}, "schema says tensor"), ({"o": T("int8", [1])}, "object"),
                      ({"zz": 1}, "not in"), ({"j": T("int64", [1, 1])}, "dimensions"),
                      ({"a": RawTensor("int64", [3], bytes(5))}, "bytes")]:
         with pytest.raises(DumpFormatError, match=f"^w: field '.*{msg}"):
-            F.validate_row(row, schema, where="w")
+            validate_row(row, schema, where="w")
 
 
 # --------------------------------------------------------------------------- index corruption
@@ -348,9 +381,9 @@ def _set_manifest(d, m):
 
 def _rewrite_row_index(d, mutate):
     """Rewrite rows.msgpack after ``mutate(index)`` and fix size/crc in the manifest."""
-    idx = F._unpack((d / F.ROW_INDEX).read_bytes())
+    idx = codec.unpack_stored((d / F.ROW_INDEX).read_bytes())
     mutate(idx)
-    data = F._pack(idx)
+    data = codec.packb(idx)
     (d / F.ROW_INDEX).write_bytes(data)
     m = _manifest(d)
     m["row_index"].update(size=len(data), crc32=F.checksum(data))
@@ -424,9 +457,9 @@ def _c_shard_size_mismatch(d):
 
 def _c_record_outside(d):
     sidx_path = d / "shards" / "unit-0.index"
-    sidx = F._unpack(sidx_path.read_bytes())
+    sidx = codec.unpack_stored(sidx_path.read_bytes())
     sidx["records"][-1][2] += 10
-    data = F._pack(sidx)
+    data = codec.packb(sidx)
     sidx_path.write_bytes(data)
     m = _manifest(d)
     m["shards"][0]["index"].update(size=len(data), crc32=F.checksum(data))
@@ -690,13 +723,13 @@ def test_mangled_indexes_fail_cleanly(pristine, tmp_path_factory, data):
     if target == F.MANIFEST:
         obj = _manifest(d)
     else:
-        obj = F._unpack((d / target).read_bytes())
+        obj = codec.unpack_stored((d / target).read_bytes())
     path = data.draw(st.sampled_from(list(_paths(obj))))
     obj = _replace(obj, path, data.draw(_json_values))
     if target == F.MANIFEST:
         (d / target).write_text(json.dumps(obj))
     else:
-        raw = F._pack(obj)
+        raw = codec.packb(obj)
         (d / target).write_bytes(raw)
         m = _manifest(d)
         entry = m["row_index"] if target == F.ROW_INDEX else m["shards"][0]["index"]

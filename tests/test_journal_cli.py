@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 from filelock import FileLock
 
-from tqtx.journal.cli import journal
-from tqtx.journal.store import (
-    ControllerJournal, DumpJournal, controller_journal_path, dump_journal_path, migrate,
-)
+from tqtx.cli.journal import journal
+from tqtx.journal.migrate import migrate
+from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.paths import controller_journal_path, dump_journal_path
 
 
 @pytest.fixture
@@ -61,8 +61,9 @@ def test_show_json_controller(runner, populated):
     assert res.exit_code == 0
     out = json.loads(res.output)
     assert set(out) == {"journal", "kind", "restores", "publications", "incarnations", "dumps",
-                        "recovery_events"}
+                        "recovery_events", "buffer"}
     assert out["journal"] == str(state / "journal.sqlite") and out["kind"] == "controller"
+    assert out["buffer"] == []  # no keys journaled in this state dir
     half, ok = out["restores"]  # newest first
     ts = {"created_at", "finished_at"}
     assert set(ok) == {"restore_id", "partition_id", "dump_dir", "state", "outcome", "reason",
@@ -216,12 +217,12 @@ def test_migrate_and_check(runner, tmp_path):
     res = runner.invoke(journal, ["check", "--state-dir", str(state), "--json"])
     assert res.exit_code == 1
     out = json.loads(res.output)
-    assert (out["revision"], out["head"], out["ok"]) == ("c0001", "c0002", False)
+    assert (out["revision"], out["head"], out["ok"]) == ("c0001", "c0003", False)
     res = invoke(runner, "migrate", "--state-dir", state)
-    assert "c0001 -> c0002" in res.output
+    assert "c0001 -> c0003" in res.output
     res = invoke(runner, "check", "--state-dir", state)
     assert res.exit_code == 0 and "ok" in res.output
-    assert "already at c0002" in invoke(runner, "migrate", "--state-dir", state).output
+    assert "already at c0003" in invoke(runner, "migrate", "--state-dir", state).output
 
     dump = tmp_path / "buf"
     DumpJournal(dump).close()

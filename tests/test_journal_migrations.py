@@ -14,10 +14,9 @@ from alembic.runtime.migration import MigrationContext
 from filelock import FileLock
 
 from tqtx.journal.models import ControllerBase, DumpBase
-from tqtx.journal.store import (
-    ControllerJournal, DumpJournal, controller_journal_path, dump_journal_path, head_revision,
-    make_engine, migrate, migrations_dir,
-)
+from tqtx.journal.migrate import head_revision, make_engine, migrate, migrations_dir
+from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.paths import controller_journal_path, dump_journal_path
 
 
 def tables(path) -> set[str]:
@@ -31,7 +30,7 @@ def tables(path) -> set[str]:
 def test_layout():
     root = migrations_dir()
     assert (root / "env.py").is_file() and (root / "script.py.mako").is_file()
-    assert head_revision("controller") == "c0002"
+    assert head_revision("controller") == "c0003"
     assert head_revision("dump") == "d0002"
 
 
@@ -75,7 +74,7 @@ def test_controller_upgrade_preserves_rows(tmp_path):
     con.close()
 
     with ControllerJournal(state) as j:
-        assert j.revision() == "c0002"
+        assert j.revision() == "c0003"
         r = j.get_restore("r1")
         assert {k: r[k] for k in ("partition_id", "dump_dir", "dump_id", "incarnation_id",
                                   "state", "keys", "rows", "bytes")} == {
@@ -221,24 +220,24 @@ def _schema(path):
 
 
 def test_heads_constant_matches_the_migration_scripts():
-    from tqtx.journal import store
-    for chain in (store.CONTROLLER, store.DUMP):
-        assert store.HEADS[chain] == store.head_revision(chain)
+    from tqtx.journal import migrate as jm
+    for chain in (jm.CONTROLLER, jm.DUMP):
+        assert jm.HEADS[chain] == jm.head_revision(chain)
 
 
 @pytest.mark.parametrize("chain", ["controller", "dump"])
 def test_fresh_journal_from_models_equals_the_migrated_schema(tmp_path, chain):
     """New journals are created from the models and stamped; that must be the same
     schema as running every migration from an empty database."""
-    from tqtx.journal import store
+    from tqtx.journal import migrate as jm
     fast = tmp_path / "fast.sqlite"
     slow = tmp_path / "slow.sqlite"
-    store.migrate(fast, chain)  # empty -> create_all + stamp
-    engine = store.make_engine(slow, wal=(chain == "controller"))
+    jm.migrate(fast, chain)  # empty -> create_all + stamp
+    engine = jm.make_engine(slow, wal=(chain == "controller"))
     try:
         with engine.begin() as conn:
             from alembic import command
-            command.upgrade(store.alembic_config(chain, conn), f"{chain}@head")
+            command.upgrade(jm.alembic_config(chain, conn), f"{chain}@head")
     finally:
         engine.dispose()
     assert _schema(fast) == _schema(slow)

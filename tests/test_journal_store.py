@@ -9,12 +9,10 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
 from tqtx import faults
-from tqtx.dump.publish import Publication, dump_lock
-from tqtx.journal.recovery import recover_controller_journal
-from tqtx.journal.store import (
-    ControllerJournal, DumpJournal, IllegalTransition, controller_journal_path,
-    default_state_dir, dump_journal_path,
-)
+from tqtx.controller.startup import recover_controller_journal
+from tqtx.publish import Publication, dump_lock
+from tqtx.journal.store import ControllerJournal, DumpJournal, IllegalTransition
+from tqtx.paths import controller_journal_path, default_state_dir, dump_journal_path
 
 
 @pytest.fixture
@@ -159,8 +157,11 @@ def test_committing_aborted_only_on_restart(cj):
     cj.claim_unit("r1", 0)
     cj.stage_unit("r1", 0, rows=1, bytes=1)
     cj.decide_commit("r1")
-    r = cj.finish_restore("r1", "aborted", reason="controller restarted")
-    assert r["outcome"] == "aborted" and r["units"][0]["state"] == "dropped"
+    with pytest.raises(IllegalTransition, match="committing -> aborted"):
+        cj.finish_restore("r1", "aborted", reason="controller restarted")  # the reason is no key
+    r = cj.abort_after_restart("r1")
+    assert (r["outcome"], r["reason"]) == ("aborted", "controller restarted")
+    assert r["units"][0]["state"] == "dropped"
 
 
 def test_note_reason_on_a_committing_restore_then_failed(cj):

@@ -8,7 +8,8 @@ import pytest
 
 from tqtx.metrics import BUCKETS_MS, Metrics, OpRecord, frames_nbytes, render_stats
 from tqtx.wire.codec import encode
-from tqtx.wire.rpc import Peer, Server
+from tqtx.wire.peer import Peer
+from tqtx.wire.rpc import Server
 from tqtx.wire.values import RawTensor
 
 

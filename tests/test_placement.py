@@ -106,7 +106,7 @@ def test_a_unit_that_cannot_see_the_target_is_named(tmp_path, pid):
     did not write (another host's directory) is refused, naming the path."""
     from tqtx.client import Client
     from tqtx.deploy import LocalDeployment
-    from tqtx.wire.rpc import Peer
+    from tqtx.wire.peer import Peer
     dep = LocalDeployment(num_units=1, state_dir=str(tmp_path / "state"), owner_record=False)
     try:
         client = Client(dep.address, timeout=30)

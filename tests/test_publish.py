@@ -11,10 +11,10 @@ import pytest
 from filelock import Timeout
 
 from tqtx import faults
-from tqtx.dump.publish import (
-    Publication, dump_lock, fsync_dir, fsync_file, publish_dir_size, recover_publications,
-)
-from tqtx.journal.store import DumpJournal, IllegalTransition, dump_journal_path
+from tqtx.publish import Publication, dump_lock, publish_dir_size, recover_publications
+from tqtx.fsutil import fsync_dir, fsync_file
+from tqtx.journal.store import DumpJournal, IllegalTransition
+from tqtx.paths import dump_journal_path
 
 PHASES = ["staging", "written", "synced", "old_moved", "published", "cleaned"]
 JOURNAL_PHASE = {"old_moved": "old-moved"}
@@ -326,7 +326,7 @@ def test_fsync_helpers(tmp_path):
 CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tqtx.dump.publish import Publication, dump_lock
+    from tqtx.publish import Publication, dump_lock
     from tqtx.journal.store import DumpJournal
     dump = Path(sys.argv[1])
     with dump_lock(dump), DumpJournal(dump) as j:

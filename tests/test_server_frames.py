@@ -7,7 +7,8 @@ import time
 
 import zmq
 
-from tqtx.wire.rpc import Peer, Server
+from tqtx.wire.peer import Peer
+from tqtx.wire.rpc import Server
 from tqtx.wire.values import RawTensor
 
 

@@ -10,6 +10,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tqtx import tensors as T
+from tqtx.schema import column_schema
 from tqtx.wire.codec import decode, encode
 from tqtx.wire.values import RawTensor
 
@@ -24,7 +25,7 @@ def _wire(obj):
 def round_trip(td, n=None):
     n = td.batch_size[0] if n is None else n
     cols = T.columns_from_tensordict(td, n)
-    schemas = {f: T.column_schema(v) for f, v in cols.items()}
+    schemas = {f: column_schema(v) for f, v in cols.items()}
     back = _wire({"cols": {f: list(v) for f, v in cols.items()}})["cols"]
     return schemas, T.tensordict_from_columns(back, schemas, n)
 
@@ -232,9 +233,9 @@ def test_encode_object_numpy_and_bytes_like():
 
 def test_columns_from_dict_tensor_and_non_tensor():
     cols = T.columns_from_dict({"x": torch.ones(2, 3), "s": "txt", "n": {"t": torch.ones(1)}})
-    assert T.column_schema(cols["x"])["shape"] == [2, 3]
-    assert T.column_schema(cols["s"]) == {"kind": "object"}
-    assert T.column_schema(cols["n"]) == {"kind": "object"}
+    assert column_schema(cols["x"])["shape"] == [2, 3]
+    assert column_schema(cols["s"]) == {"kind": "object"}
+    assert column_schema(cols["n"]) == {"kind": "object"}
     with pytest.raises(TypeError, match="field names"):
         T.columns_from_dict({1: torch.ones(1)})
 
@@ -250,7 +251,7 @@ def test_batch_size_mismatch_and_nested_tensordict_refused():
 def test_column_schema_rejects_mixed_ndim():
     vals = [T.to_raw(torch.ones(2)), T.to_raw(torch.ones(2, 2))]
     with pytest.raises(ValueError, match="different numbers of dimensions"):
-        T.column_schema(vals)
+        column_schema(vals)
 
 
 def test_unsupported_dtype():

@@ -6,9 +6,7 @@ lazily, so controller and storage-unit processes start without torch.
 """
 from __future__ import annotations
 
-__version__ = "0.2.0"
-# The TransferQueue release whose KV and checkpoint API this one matches (docs/compatibility.md).
-TRANSFERQUEUE_API_VERSION = "0.1.11"
+from .version import TRANSFERQUEUE_API_VERSION, __version__
 
 _API = {
     "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
@@ -22,7 +20,8 @@ _API = {
 _ERRORS = {"KeysNotFoundError", "RestorePendingError", "PeerTimeoutError", "PeerDiedError",
            "DumpFormatError", "StateDirInUseError", "TqtxError", "RemoteError",
            "TargetNotADumpError", "ReadOnlyDumpError", "DumpNotFoundError",
-           "FieldsNotFoundError", "PartitionNotFoundError", "SchemaConflictError"}
+           "FieldsNotFoundError", "PartitionNotFoundError", "SchemaConflictError",
+           "RowsLostError"}
 
 __all__ = sorted(_API | _ERRORS) + ["__version__", "TRANSFERQUEUE_API_VERSION"]
 

@@ -12,8 +12,9 @@ import functools
 import os
 import threading
 
-from .client import Client, KVBatchMeta, check_keys, check_partition, check_utf8
+from .client import Client, KVBatchMeta
 from .errors import TqtxError
+from .validate import check_keys, check_partition, check_utf8
 
 __all__ = [
     "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
@@ -35,7 +36,7 @@ DEFAULTS = {"num_units": 2, "host": "127.0.0.1", "port": 0, "timeout": 300.0}
 
 
 def _default_state_dir() -> str:
-    from .journal.store import default_state_dir
+    from .paths import default_state_dir
     return str(default_state_dir())
 
 
@@ -145,6 +146,9 @@ def _start_embedded(cfg: dict, state_dir: str, num_units: int):
         env["TQTX_INSECURE"] = "1"
     if cfg.get("keys_dir"):
         env["TQTX_KEYS_DIR"] = os.path.abspath(cfg["keys_dir"])
+    if cfg.get("durability"):
+        from .journal.meta import check_durability
+        env["TQTX_DURABILITY"] = check_durability(cfg["durability"])
     dep = LocalDeployment(num_units=num_units, state_dir=state_dir, host=cfg["host"],
                           port=int(cfg["port"]), env=env or None,
                           unit_env=cfg.get("unit_env"), metrics=cfg.get("metrics"))
@@ -179,12 +183,25 @@ def close(*, cancel_dumps: bool = False) -> dict:
         from .dump import save
         report = save.settle_background_dumps(cancel=cancel_dumps)
         try:
+            if _deployment is not None:
+                _end_buffer(_client)
             _client.close()
         finally:
             if _deployment is not None:
                 _deployment.stop()
             _client = _deployment = _config = None
         return report
+
+
+def _end_buffer(client) -> None:
+    """The process that started the deployment closes it: the buffer ends with its units, so
+    the controller discards the journaled metadata (a crash keeps it, see docs/journal.md)."""
+    try:
+        client.controller.call("END_BUFFER", timeout=10)
+    except Exception as exc:  # noqa: BLE001 - closing must not fail on a dead controller
+        import logging
+        logging.getLogger("tqtx.init").warning("close: the controller did not discard the "
+                                               "buffer's metadata: %s", exc)
 
 
 def _set_compat(mode) -> None:
@@ -275,10 +292,11 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
 
 def _put(keys, pid, columns, tags) -> KVBatchMeta:
     from . import tensors
+    from .schema import column_schema
     schemas = {}
     for field, values in columns.items():
         try:
-            schemas[field] = tensors.column_schema(values)
+            schemas[field] = column_schema(values)
         except ValueError as exc:
             raise ValueError(f"field {field!r}: {exc}") from None
     wire_tags = None
@@ -303,7 +321,8 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     ``keys`` and ``select_fields``: a str or a list. An unknown key raises
     KeysNotFoundError, a field not produced for every key FieldsNotFoundError (both
     ValueErrors); with ``compat: "transferqueue"`` both are left out instead, and tensor
-    fields come back nested (jagged) as in TransferQueue (docs/compatibility.md)."""
+    fields come back nested (jagged) as in TransferQueue (docs/compatibility.md). A key
+    whose row was lost raises RowsLostError (a KeyError) in both modes, never left out."""
     from . import tensors
     keys = check_keys(keys)
     check_partition(partition_id)
@@ -411,8 +430,8 @@ def list_restores(partition_id: str | None = None) -> list[dict]:
 def read_row_index(dump_dir) -> dict:
     """A dump's keys, source indexes, fields, tags and schemas, without reading any payload."""
     from . import tensors
-    from .dump import format as fmt
-    from .dump.publish import dump_lock, recover_publications
+    from . import format as fmt
+    from .publish import dump_lock, recover_publications
     from .paths import check_path_arg, lock_path, old_path, siblings_writable
     path = check_path_arg(dump_dir, "dump_dir")
     # A read-only dump is read as it is: nothing can be published into it or recovered there.

@@ -11,13 +11,15 @@ import logging
 import os
 import time
 
-from . import __version__, paths
-from .dump import format as fmt
-from .dump.publish import Publication, dump_lock, recover_publications
+from . import paths
+from . import format as fmt
+from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError
 from .journal.store import DumpJournal
+from .version import __version__
 from .wire.codec import packb, unpackb
-from .wire.rpc import call_many, new_id
+from .wire.peer import call_many
+from .wire.rpc import new_id
 
 FORMAT_VERSION = 1
 MANIFEST = "checkpoint_info.json"
@@ -161,8 +163,9 @@ def load(client, ckpt_dir: str) -> dict:
             call_many([(client.unit(u), "DROP_CHECKPOINT", {"load_id": load_id})
                        for u in per_unit], raise_first=False, timeout=30)
             raise
-        client.fan_out("APPLY_CHECKPOINT", {u: {"load_id": load_id} for u in per_unit})
-        client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta})
+        # The controller journals the checkpoint's metadata (the decision), then switches
+        # every unit to its staged rows: a crash in between is rolled forward at restart.
+        client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta, "load_id": load_id})
     return {"dir": ckpt_dir, "metadata": saved["user_metadata"],
             "storage_saved": saved["storage_saved"], "seconds": time.perf_counter() - t0,
             "keys": sum(len(p["rows"]) for p in meta["partitions"].values())}

@@ -1,62 +1,17 @@
 """The client: orchestration between the controller (metadata) and the units (payload)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from math import prod
 
-from .errors import PeerDiedError, PeerTimeoutError, TqtxError
-from .wire.rpc import CONNECT_TIMEOUT, DEFAULT_TIMEOUT, Peer, call_many
+from . import faults
+from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, TqtxError
+from .wire.peer import CONNECT_TIMEOUT, Peer, call_many
+from .wire.rpc import DEFAULT_TIMEOUT, new_id
 from .wire.values import DTYPE_SIZES, RawTensor
 from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
-
-
-def check_utf8(what: str, values) -> None:
-    """ValueError naming the first str of ``values`` that is not valid UTF-8 (a lone
-    surrogate such as ``"\\udcff"``, e.g. from ``os.fsdecode`` of a non-UTF-8 file name),
-    so it is refused before anything is sent instead of failing inside msgpack."""
-    if isinstance(values, str):
-        values = (values,)
-    try:
-        "".join(values).encode("utf-8")  # one pass; surrogates never pair across a join
-        return
-    except UnicodeEncodeError:
-        pass
-    for v in values:
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"{what}: {v!r} is not valid UTF-8 ({exc.reason}: "
-                             f"{v[exc.start]!r} at position {exc.start})") from None
-
-
-def check_keys(keys, what: str = "keys") -> list[str]:
-    """``keys`` as a list: one str is one key (as in TransferQueue); a non-empty list of
-    distinct str otherwise."""
-    if isinstance(keys, str):
-        keys = [keys]
-    keys = list(keys)
-    if not keys:
-        raise ValueError(f"{what} must not be empty")
-    bad = [k for k in keys if not isinstance(k, str)]
-    if bad:
-        raise TypeError(f"{what} must be str; got {type(bad[0]).__name__} {bad[0]!r}")
-    check_utf8(what, keys)
-    if len(set(keys)) != len(keys):
-        seen, dups = set(), []
-        for k in keys:
-            if k in seen:
-                dups.append(k)
-            seen.add(k)
-        raise ValueError(f"duplicate keys in one call: {dups[:10]}")
-    return keys
-
-
-def check_partition(pid) -> str:
-    if not isinstance(pid, str) or not pid:
-        raise TypeError(f"partition_id must be a non-empty str, got {pid!r}")
-    check_utf8("partition_id", pid)
-    return pid
 
 
 class Column(list):
@@ -94,6 +49,16 @@ IDEMPOTENT_UNIT_OPS = frozenset({"GET_ROWS", "GET_STATS", "STATS", "PING"})
 CONTROLLER_HINT = ("Restart the controller (or the whole deployment); a dump or restore it "
                    "was running is settled by the next access or tqtx.recover_data_load(dump_dir)")
 
+# How long a client waits for a controller that went away to answer again (same address).
+RECONNECT_TIMEOUT = float(os.environ.get("TQTX_RECONNECT_TIMEOUT", "30"))
+# Only a controller found gone is waited for: one that is alive but slow (a timeout)
+# is reported as before.
+_CONTROLLER_LOST = (PeerDiedError,)
+
+
+class _ControllerRestarted(Exception):
+    """A put step met a new controller incarnation: the put is redone from ALLOC."""
+
 
 class _ControllerPeer(Peer):
     """The controller connection: a reply carrying a new topology incarnation makes the
@@ -104,7 +69,14 @@ class _ControllerPeer(Peer):
         self._client = client
 
     def call(self, op, body=None, **kwargs):
-        result = super().call(op, body, **kwargs)
+        try:
+            result = super().call(op, body, **kwargs)
+        except ControllerRecoveringError:
+            # A restarted controller holds new rows back until its units re-registered; the
+            # request did nothing, so it is sent again (a new ID) once they have.
+            self._client.await_controller(f"waiting to send {op}")
+            kwargs.pop("rid", None)
+            result = super().call(op, body, **kwargs)
         if op != "TOPOLOGY" and isinstance(result, dict) and "topology" in result:
             self._client.follow_topology(result["topology"])
         return result
@@ -116,12 +88,19 @@ class Client:
     Unit addresses follow the controller's topology incarnation: a new one seen in a
     reply (or a unit found dead) refreshes them, and every thread's unit connections
     are replaced (``unit_generation``).
+
+    A controller that goes away (killed, restarted on the same address) is waited for up
+    to ``reconnect_timeout`` seconds (``$TQTX_RECONNECT_TIMEOUT``, 30): read-only and
+    idempotent requests are then sent once more, a put is finished by request ID or
+    redone once from ALLOC (see :meth:`put_columns`).
     """
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT, deployment=None,
-                 curve=None, wait_ready: float = 60.0):
+                 curve=None, wait_ready: float = 60.0, reconnect_timeout: float | None = None):
         self.address = address
         self.timeout = timeout
+        self.reconnect_timeout = (RECONNECT_TIMEOUT if reconnect_timeout is None
+                                  else float(reconnect_timeout))
         self.deployment = deployment
         self.curve = curve
         self._local = threading.local()
@@ -191,12 +170,75 @@ class Client:
     def refresh_topology(self) -> None:
         """Ask the controller for the unit addresses; connections to moved units are
         replaced in every thread."""
-        topo = self.controller.call("TOPOLOGY")
+        self._adopt_topology(self.controller.call("TOPOLOGY"))
+
+    def _adopt_topology(self, topo: dict) -> None:
         with self._topology_lock:
-            if topo["units"] != self.unit_addresses:
-                self.unit_addresses = topo["units"]
+            units = topo["units"]
+            if not topo.get("ready"):
+                # A restarted controller before every unit re-registered: keep the known
+                # addresses of the others, and look again at the next new incarnation.
+                units = [new or old for new, old in zip(units, self.unit_addresses)]
+            if units != self.unit_addresses:
+                self.unit_addresses = units
                 self.unit_generation += 1
-            self.topology_incarnation = topo.get("topology")
+            if topo.get("ready"):
+                self.topology_incarnation = topo.get("topology")
+                self.topology = topo
+
+    @property
+    def controller_incarnation(self) -> int | None:
+        """The incarnation of the controller this client last followed (high 32 bits of
+        the topology incarnation)."""
+        topo = self.topology_incarnation
+        return None if topo is None else topo >> 32
+
+    def await_controller(self, what: str, *, outcome: str = "") -> dict:
+        """Wait for the controller after a call to it found it gone (its connection
+        closed, its process exited): reset this thread's connection and ask TOPOLOGY until it answers
+        with every unit registered, at most ``reconnect_timeout`` seconds; then follow its
+        topology and return it. Otherwise raise PeerDiedError naming the address, the
+        bound, ``what`` was being done and ``outcome`` (what that means for the call)."""
+        ctl = self.controller
+        ctl.reset()
+        bound = self.reconnect_timeout
+        deadline = time.monotonic() + bound
+        why = "it did not answer"
+        tail = f"; {outcome}" if outcome else ""
+        final = getattr(self.deployment, "creator_gone", None)  # tqtx.owner: nothing restarts it
+        while True:
+            if final is not None and final():
+                raise PeerDiedError(f"the controller at {self.address} is gone for good "
+                                    f"({final()}) while {what}{tail}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                topo = ctl.call("TOPOLOGY", timeout=max(0.1, min(left, 2.0)))
+            except (PeerDiedError, PeerTimeoutError) as exc:  # the peer reset itself
+                why = str(exc)
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                continue
+            if topo.get("ready"):
+                self._adopt_topology(topo)
+                return topo
+            why = (f"it answers, but only {sum(1 for u in topo['units'] if u)} of "
+                   f"{topo['num_units']} units re-registered")
+            time.sleep(0.05)
+        raise PeerDiedError(f"the controller at {self.address} did not come back within "
+                            f"{bound:g}s ({why}) while {what}{tail}")
+
+    def call_controller(self, op: str, body: dict | None = None, *, what: str,
+                        outcome: str = "nothing was changed"):
+        """Send a read-only or idempotent controller request; if the controller went away,
+        wait for it (:meth:`await_controller`) and send it once more, with the same request
+        ID (a controller that recorded the first copy answers with its outcome)."""
+        rid = new_id()
+        try:
+            return self.controller.call(op, body, rid=rid)
+        except _CONTROLLER_LOST:
+            self.await_controller(what, outcome=outcome)
+        return self.controller.call(op, body, rid=rid)
 
     def controller_watch(self, what: str):
         """A ``call_many`` watch for a wait on units that only the controller can conclude:
@@ -267,9 +309,46 @@ class Client:
     # ---------------------------------------------------------------- kv
     def put_columns(self, keys: list[str], pid: str, columns: dict[str, list],
                     schemas: dict[str, dict], tags: list | None) -> list[str]:
-        """Store rows (columns of per-row values) for ``keys``; returns the common fields."""
-        alloc = self.controller.call("ALLOC", {"partition_id": pid, "keys": keys,
-                                               "schemas": schemas})
+        """Store rows (columns of per-row values) for ``keys``; returns the common fields.
+
+        ALLOC, PUT_ROWS to the units, COMMIT_PUT. If the controller goes away during the
+        put, it is waited for (:meth:`await_controller`): the same controller is asked
+        again by request ID; a new one (which forgot the uncommitted ALLOC) gets the whole
+        put once more from ALLOC with the same values, which has the same effect as one
+        put. Unit and validation errors are never retried."""
+        what = f"putting {len(keys)} key(s) in partition {pid!r}"
+        try:
+            return self._put_once(keys, pid, columns, schemas, tags, what)
+        except _ControllerRestarted:
+            pass
+        try:
+            return self._put_once(keys, pid, columns, schemas, tags, what)
+        except _ControllerRestarted:
+            raise PeerDiedError(
+                f"the controller at {self.address} restarted twice while {what}; none of "
+                f"its keys is committed by this call: put them again") from None
+
+    def _put_step(self, op: str, body: dict, incarnation, what: str, outcome: str):
+        """One controller request of a put, sent to controller ``incarnation``; raises
+        _ControllerRestarted if the controller came back as another incarnation."""
+        rid = new_id()
+        try:
+            return self.controller.call(op, body, rid=rid)
+        except _CONTROLLER_LOST:
+            topo = self.await_controller(what, outcome=outcome)
+        if incarnation is None or topo.get("incarnation") != incarnation:
+            raise _ControllerRestarted(op)
+        try:  # the same process: its reply cache answers if it acted on the first copy
+            return self.controller.call(op, body, rid=rid)
+        except _CONTROLLER_LOST:
+            raise _ControllerRestarted(op) from None
+
+    def _put_once(self, keys, pid, columns, schemas, tags, what) -> list[str]:
+        alloc = self._put_step("ALLOC", {"partition_id": pid, "keys": keys, "schemas": schemas},
+                               self.controller_incarnation, what,
+                               "none of its keys was stored or committed")
+        topology = alloc.get("topology")
+        incarnation = None if topology is None else topology >> 32
         indexes = alloc["indexes"]
         nbytes = 0
         if columns:
@@ -291,8 +370,20 @@ class Client:
             for idx in alloc["fresh"]:
                 per_unit.setdefault(idx % self.num_units, {"rows": [], "fresh": []})["fresh"].append(idx)
             self.fan_out("PUT_ROWS", per_unit)
-        res = self.controller.call("COMMIT_PUT", {"partition_id": pid, "keys": keys,
-                                                  "fields": list(columns), "tags": tags})
+        faults.hit("client.put.before_commit")
+        outcome = ("its rows are on the units but its commit may not have been applied: put "
+                   "the keys again (the same put twice has the effect of one) or see kv_list")
+        try:
+            res = self._put_step("COMMIT_PUT", {"partition_id": pid, "keys": keys,
+                                                "fields": list(columns), "tags": tags},
+                                 incarnation, what, outcome)
+        except KeyError:  # KeysNotFoundError, or the partition ALLOC created is unknown
+            # Sent to a controller restarted since ALLOC (the socket reconnects by itself)?
+            # It forgot the uncommitted keys: then the put is redone.
+            topo = self.await_controller(what, outcome=outcome)
+            if incarnation is not None and topo.get("incarnation") != incarnation:
+                raise _ControllerRestarted("COMMIT_PUT") from None
+            raise
         self.count("puts", len(keys), nbytes)
         return res["fields"]
 
@@ -307,7 +398,8 @@ class Client:
         body = {"partition_id": pid, "keys": keys, "select_fields": select_fields}
         if lenient:
             body["lenient"] = True
-        meta = self.controller.call("LOOKUP", body)
+        meta = self.call_controller("LOOKUP", body, what=f"looking up {len(keys)} key(s) in "
+                                                         f"partition {pid!r}")
         keys = meta.get("keys", keys)
         fields, indexes = meta["fields"], meta["indexes"]
         columns = {f: Column([None] * len(keys)) for f in fields}
@@ -334,10 +426,13 @@ class Client:
         return keys, columns, meta["schemas"]
 
     def list_keys(self, pid=None) -> dict:
-        return self.controller.call("LIST", {"partition_id": pid})
+        return self.call_controller("LIST", {"partition_id": pid}, what="listing keys")
 
     def clear(self, keys: list[str], pid: str) -> int:
-        res = self.controller.call("CLEAR", {"partition_id": pid, "keys": keys})
+        res = self.call_controller(
+            "CLEAR", {"partition_id": pid, "keys": keys},
+            what=f"clearing {len(keys)} key(s) of partition {pid!r}",
+            outcome="the keys may or may not be cleared: kv_clear them again (it is idempotent)")
         freed = res["freed"]
         if freed:
             per_unit: dict[int, dict] = {}
@@ -365,7 +460,7 @@ class Client:
 
     def stats(self) -> dict:
         """GET_STATS of the controller and every unit, plus this client's totals."""
-        out = {"controller": self.controller.call("GET_STATS")}
+        out = {"controller": self.call_controller("GET_STATS", what="reading its stats")}
         replies = self.fan_out("GET_STATS", {u: {} for u in range(self.num_units)})
         out["units"] = [replies[u] for u in range(self.num_units)]
         out["client"] = self.client_stats()

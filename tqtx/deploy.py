@@ -72,12 +72,7 @@ class LocalDeployment:
         log_dir = os.path.join(self.state_dir, "logs")
         os.makedirs(log_dir, exist_ok=True)
         try:
-            ctl = self._spawn("controller", [
-                "-m", "tqtx.controller", "--units", str(num_units), "--state-dir",
-                self.state_dir, "--host", host, "--port", str(port),
-                "--log-file", os.path.join(log_dir, "controller.log")], start_timeout)
-            self.address = ctl["ready"]
-            self.incarnation = ctl.get("incarnation")
+            self._start_controller(port, start_timeout)
             procs = []
             for uid in range(num_units):
                 procs.append((f"unit {uid}", self._start(f"unit {uid}", [
@@ -113,8 +108,48 @@ class LocalDeployment:
             raise TqtxError(f"{name} failed to start: {msg['error']}: {msg['message']}")
         return msg
 
-    def _spawn(self, name: str, args: list[str], timeout: float) -> dict:
-        return self._ready(name, self._start(name, args, self.env), timeout)
+    def _start_controller(self, port: int, timeout: float, env: dict | None = None) -> None:
+        proc = self._start("controller", [
+            "-m", "tqtx.controller", "--units", str(self.num_units), "--state-dir",
+            self.state_dir, "--host", self.host, "--port", str(port),
+            "--log-file", os.path.join(self.state_dir, "logs", "controller.log")],
+            {**self.env, **(env or {})})
+        ctl = self._ready("controller", proc, timeout)
+        self.address = ctl["ready"]  # with port 0, the one it bound: a restart reuses it
+        self.incarnation = ctl.get("incarnation")
+
+    def stop_controller(self, kill: bool = True, timeout: float = 10.0) -> None:
+        """Kill -9 the controller (``kill=False``: SIGTERM, a clean stop); units keep running."""
+        proc = self.procs.get("controller")
+        if proc is None:
+            return
+        if proc.poll() is None:
+            if kill:
+                proc.kill()
+            else:
+                proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def restart_controller(self, kill: bool = True, timeout: float = 60.0,
+                           env: dict | None = None) -> None:
+        """Stop the controller (kill -9 unless ``kill=False``) and start a new incarnation
+        on the same state dir, host and port (``env`` added to its environment), waiting
+        for its ready announcement. The units keep running; attached clients reconnect to
+        the same address by themselves."""
+        if self.stopped:
+            raise RuntimeError("the deployment is stopped")
+        self.stop_controller(kill=kill)
+        port = int(self.address.rsplit(":", 1)[1])
+        self._start_controller(port, timeout, env)
+        if self.record is not None:  # attached processes check the recorded pids
+            from .owner import publish
+            self.record = publish(self)
 
     def liveness(self, name: str):
         """A callable telling why process ``name`` is gone (None while it runs)."""

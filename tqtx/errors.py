@@ -23,6 +23,41 @@ class KeysNotFoundError(KeyError, ValueError, RuntimeError):
         return self.message
 
 
+class RowsLostError(KeyError, TqtxError):
+    """Rows of these keys were lost: the unit that held them restarted without them.
+
+    A KeyError. The keys are still listed (with their tags) so they can be produced again;
+    a put of new values, a restore of a dump holding them, or ``kv_clear`` settles them.
+    Attributes: ``keys``, ``fields`` ({key: [field, ...]}), ``units`` ({key: unit}),
+    ``partition_id``.
+    """
+
+    def __init__(self, keys, partition_id=None, *, fields=None, units=None):
+        self.keys = list(keys)
+        self.partition_id = partition_id
+        self.fields = {k: list(v) for k, v in (fields or {}).items()}
+        self.units = dict(units or {})
+        shown = []
+        for k in self.keys[:20]:
+            where = f" on unit {self.units[k]}" if k in self.units else ""
+            fields_of = self.fields.get(k)
+            what = f" (fields {', '.join(fields_of)})" if fields_of else ""
+            shown.append(f"{k!r}{what}{where}")
+        more = f" (and {len(self.keys) - 20} more)" if len(self.keys) > 20 else ""
+        where = f" in partition {partition_id!r}" if partition_id is not None else ""
+        self.message = (f"rows lost{where}: {', '.join(shown)}{more}: the storage unit that "
+                        f"held them restarted without them. The keys stay listed: put them "
+                        f"again, restore a dump that holds them, or kv_clear them")
+        super().__init__(self.message)
+
+    def __str__(self):
+        return self.message
+
+    def to_dict(self) -> dict:
+        return {"keys": self.keys, "partition_id": self.partition_id, "fields": self.fields,
+                "units": [[k, u] for k, u in self.units.items()]}
+
+
 class _MessageError(TqtxError):
     """A tqtx error whose ``str`` is its message, unquoted even when it is a KeyError."""
 
@@ -52,6 +87,12 @@ class PeerTimeoutError(TqtxError, TimeoutError):
 
 class PeerDiedError(TqtxError, ConnectionError):
     """A controller or storage unit process is gone."""
+
+
+class ControllerRecoveringError(TqtxError, ConnectionError):
+    """The controller just restarted and waits for its units to re-register before it hands
+    out new rows (so a unit's report of what it holds cannot race a new put); retry shortly.
+    The client does so by itself."""
 
 
 class RemoteError(TqtxError):

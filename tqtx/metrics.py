@@ -305,6 +305,10 @@ def render_stats(data: dict, console=None) -> None:
                   str(p.get("rows", p.get("keys", "-"))), str(p.get("bytes", "-")),
                   str(len(opened or [])))
     con.print(t)
+    ctl = data["controller"]
+    if ctl.get("lost_rows"):
+        con.print(f"  lost rows: {ctl['lost_rows']} (listed, RowsLostError on read: put them "
+                  f"again, restore a dump holding them, or kv_clear them)")
     for r in data["controller"].get("open_restores") or []:
         if isinstance(r, dict):
             units = ", ".join(f"unit {u}: {s}" for u, s in sorted(r.get("units", {}).items()))

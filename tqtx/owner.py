@@ -242,9 +242,11 @@ class RecordedDeployment:
             pid = self.record.get("pids", {}).get(name)
             if not self.local or not isinstance(pid, int) or process_started(pid) is not None:
                 return None
-            # The creator may have restarted that unit and rewritten the record.
+            # The creator may have restarted that unit, or the controller (a new
+            # incarnation at the same address), and rewritten the record.
             now = read_record(self.record["state_dir"])
-            if now is not None and now.get("incarnation") == self.record.get("incarnation"):
+            same = ("owner_pid", "owner_started", "address")
+            if now is not None and all(now.get(k) == self.record.get(k) for k in same):
                 self.record = now
                 new = now.get("pids", {}).get(name)
                 if isinstance(new, int) and new != pid and process_started(new) is not None:
@@ -255,7 +257,7 @@ class RecordedDeployment:
 
 def probe(rec: dict, state_dir: str, cfg: dict) -> str | None:
     """None if ``rec`` describes a live deployment of ``state_dir``, else why it is stale."""
-    from .wire.rpc import Peer
+    from .wire.peer import Peer
 
     if os.path.abspath(rec.get("state_dir") or "") != os.path.abspath(state_dir):
         return f"it names another state dir ({rec.get('state_dir')})"

@@ -11,7 +11,8 @@ What tqtx may replace (:func:`check_publish_target`): nothing, an empty director
 complete tqtx dump (checkpoint) of the same kind; ``<dump>.old`` / ``<dump>.tmp-*`` only
 when a publication row of the dump journal accounts for them.
 
-A torch-free leaf module: it imports nothing from tqtx but :mod:`tqtx.errors`.
+A torch-free leaf module: it imports nothing from tqtx but :mod:`tqtx.errors` and
+:mod:`tqtx.states`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import threading
 from pathlib import Path
 
 from .errors import ReadOnlyDumpError, TargetNotADumpError
+from .states import OLD_MOVED, PUBLISHED, SYNCED
 
 log = logging.getLogger("tqtx.paths")
 
@@ -38,7 +40,7 @@ MIGRATE_LOCK_SUFFIX = ".migrate.lock"
 SQLITE_JOURNAL_SUFFIX = "-journal"  # SQLite's rollback journal next to a database file
 RELOCATED_DIR = "dumps"
 # Publication phases in which <dump>.old may be tqtx's (moved there by that attempt).
-_OLD_PHASES = ("synced", "old-moved", "published")
+_OLD_PHASES = (SYNCED, OLD_MOVED, PUBLISHED)
 
 
 # --------------------------------------------------------------------------- names
@@ -90,6 +92,16 @@ def dump_journal_path(dump_dir: str | os.PathLike) -> Path:
 def migrate_lock_path(db_path: str | os.PathLike) -> Path:
     """``<db>.migrate.lock``, serializing schema upgrades of one journal file."""
     return Path(os.fspath(db_path) + MIGRATE_LOCK_SUFFIX)
+
+
+def default_state_dir() -> Path:
+    """``$TQTX_STATE_DIR``, else ``$XDG_STATE_HOME/tqtx/default``, else ``~/.local/state/tqtx/default``."""
+    env = os.environ.get("TQTX_STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
+    return base / "tqtx" / "default"
 
 
 def controller_journal_path(state_dir: str | os.PathLike) -> Path:

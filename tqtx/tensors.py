@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from .client import check_utf8
+from .validate import check_utf8
 from .wire.values import DTYPE_SIZES, RawTensor
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
@@ -148,24 +148,6 @@ def _column_of_values(values: list, field: str) -> list:
     warnings.warn(f"field {field!r} mixes {why}; it is stored as a non-tensor field "
                   f"(each row comes back as it was put, in a NonTensorStack)", stacklevel=4)
     return [encode_field_object(v, field) for v in values]
-
-
-def column_schema(values: list) -> dict:
-    """Field schema of one batch column of RawTensors or objects."""
-    tensors = sum(1 for v in values if isinstance(v, RawTensor))
-    if tensors and tensors != len(values):
-        # an object field never holds a bare tensor (the dump format relies on it)
-        raise ValueError("rows mix tensors and non-tensor values")
-    if not tensors:
-        return {"kind": "object"}
-    shapes = {v.shape for v in values}
-    ndims = {len(s) for s in shapes}
-    if len(ndims) > 1:
-        raise ValueError(f"rows have different numbers of dimensions: {sorted(ndims)}")
-    shape = next(iter(shapes)) if len(shapes) == 1 else None
-    return {"kind": "tensor", "dtype": values[0].dtype,
-            "shape": list(shape) if shape is not None else None,
-            "jagged": shape is None, "ndim": ndims.pop()}
 
 
 def _rows_of_dense(t: torch.Tensor, field=None) -> list[RawTensor]:

@@ -19,7 +19,7 @@ import threading
 from .client import Client
 from .controller.server import Controller
 from .storage.unit import StorageUnit
-from .wire.rpc import Peer
+from .wire.peer import Peer
 
 __all__ = ["InProcessDeployment"]
 

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
-from tqtx.dump import format as fmt
+from tqtx import format as fmt
 from tqtx.journal.store import DumpJournal
 
 

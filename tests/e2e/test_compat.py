@@ -17,7 +17,7 @@ from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
 from tqtx import KVBatchMeta
-from tqtx.dump import format as fmt
+from tqtx import format as fmt
 from tqtx.tensors import to_raw
 
 # TransferQueue 0.1.11 transfer_queue/interface.py: parameter names, kinds and defaults.
@@ -265,7 +265,7 @@ def test_key_error_messages_cross_the_wire_once(tq_shared, pid):
 
 
 def test_error_classes_survive_the_wire_mapping():
-    from tqtx.wire.rpc import error_payload, raise_remote
+    from tqtx.wire.errors import error_payload, raise_remote
     cases = [tq.DumpNotFoundError("/d/x.bin: shard file is missing", "/d/x.bin"),
              tq.FieldsNotFoundError("select_fields: field 'y' not found"),
              tq.PartitionNotFoundError("partition 'p' does not exist"),

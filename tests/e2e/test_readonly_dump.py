@@ -139,7 +139,7 @@ def test_load_inspect_verify_a_read_only_dump(tq_start, tmp_path, read_only, cap
 def test_startup_replay_finds_a_relocated_dump_journal(tmp_path, read_only):
     """The controller's startup replay marks a read-only dump's 'reading' row aborted in
     the journal kept in its state dir (no processes needed: journals only)."""
-    from tqtx.journal.recovery import recover_controller_journal
+    from tqtx.controller.startup import recover_controller_journal
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
     (src / "d" / "dump_info.json").write_text("{}")

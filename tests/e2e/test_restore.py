@@ -11,7 +11,7 @@ import torch
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
 from tqtx import RestorePendingError
-from tqtx.dump import format as fmt
+from tqtx import format as fmt
 
 
 def journal_json(state_dir=None, dump_dir=None) -> dict:

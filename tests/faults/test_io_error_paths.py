@@ -15,7 +15,7 @@ import pytest
 import tqtx as tq
 from buffers import rollout_batch
 from iofaults import IOFaults
-from tqtx.dump import format as fmt
+from tqtx import format as fmt
 from tqtx.dump import save
 from tqtx.testing import InProcessDeployment
 

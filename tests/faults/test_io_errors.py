@@ -18,7 +18,7 @@ import torch
 import tqtx as tq
 from buffers import assert_same_rows, rollout_batch
 from iofaults import ERRNOS, IOFaults
-from tqtx.dump import format as fmt
+from tqtx import format as fmt
 from tqtx.dump import load, save
 from tqtx.journal.store import DumpJournal
 from tqtx.testing import InProcessDeployment

@@ -24,7 +24,7 @@ from tensordict import TensorDict
 import tqtx as tq
 from tqtx import security
 from tqtx.errors import PeerTimeoutError
-from tqtx.wire.rpc import Peer
+from tqtx.wire.peer import Peer
 
 
 def _non_loopback_ip() -> str | None:

@@ -14,6 +14,9 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--parent-fd", type=int, default=-1)
     ap.add_argument("--log-file", default=None)
+    ap.add_argument("--durability", choices=("full", "normal", "off"),
+                    default=os.environ.get("TQTX_DURABILITY", "full"),
+                    help="how metadata changes are journaled (docs/journal.md)")
     args = ap.parse_args(argv)
     from ..proc import announce, setup_logging, stop_on_signals, watch_parent
     watch_parent(args.parent_fd)
@@ -23,7 +26,8 @@ def main(argv=None) -> int:
         from .server import Controller
         ctl = Controller(num_units=args.units, state_dir=args.state_dir, host=args.host,
                          port=args.port, curve=server_curve_for(args.host, args.state_dir),
-                         client_curve=client_curve_for(args.state_dir))
+                         client_curve=client_curve_for(args.state_dir),
+                         durability=args.durability)
     except Exception as exc:
         announce({"error": type(exc).__name__, "message": str(exc)})
         return 2

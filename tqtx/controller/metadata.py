@@ -1,49 +1,34 @@
-"""The controller's in-memory metadata: partitions, keys, global indexes, fields, schemas, tags."""
+"""The controller's metadata: partitions, keys, global indexes, fields, schemas, tags.
+
+Held in memory; every change a client is told succeeded is also described as a
+:class:`~tqtx.journal.meta.MetaChange`, which the controller writes to its journal before it
+changes memory and replies (``plan_*`` methods build the change, ``apply_*`` carry it out), so
+a restarted controller replays exactly what clients were told.
+
+A key is *pending* between ALLOC and COMMIT_PUT (in memory only, never listed or read: a put
+that dies half-way leaves nothing visible) and *lost* when the unit that held its row came back
+without it (listed, not readable, see :class:`~tqtx.errors.RowsLostError`).
+"""
 from __future__ import annotations
 
 import heapq
 
-from ..errors import KeysNotFoundError, SchemaConflictError
-
-
-def check_schema_compatible(field: str, old: dict, new: dict) -> None:
-    """Raise SchemaConflictError (a ValueError and a RuntimeError) if ``new`` rows of
-    ``field`` cannot join rows described by ``old``."""
-    if old["kind"] != new["kind"]:
-        raise SchemaConflictError(
-            f"field {field!r}: dtype mismatch: it holds {old['kind']} values; cannot store "
-            f"{new['kind']} values in it")
-    if old["kind"] == "tensor":
-        if old["dtype"] != new["dtype"]:
-            raise SchemaConflictError(
-                f"field {field!r}: dtype mismatch: it has dtype {old['dtype']}; got "
-                f"{new['dtype']} (a field's dtype cannot change)")
-        if old.get("ndim") != new.get("ndim"):
-            raise SchemaConflictError(
-                f"field {field!r}: schema conflict: it has {old.get('ndim')}-d rows; got "
-                f"{new.get('ndim')}-d rows")
-
-
-def merge_schema(old: dict | None, new: dict) -> dict:
-    """The schema describing rows of both ``old`` and ``new``."""
-    if old is None:
-        return dict(new)
-    if old["kind"] != "tensor":
-        return old
-    if old.get("shape") is not None and old.get("shape") == new.get("shape"):
-        return old
-    return {**old, "shape": None, "jagged": True}
+from ..errors import KeysNotFoundError, RowsLostError
+from ..journal.meta import MetaChange
+from ..schema import check_schema_compatible, merge_schema
 
 
 class Partition:
-    __slots__ = ("pid", "keys", "fields", "tags", "schema")
+    __slots__ = ("pid", "keys", "fields", "tags", "schema", "pending", "lost")
 
     def __init__(self, pid: str):
         self.pid = pid
-        self.keys: dict[str, int] = {}
+        self.keys: dict[str, int] = {}        # visible keys -> global index
         self.fields: dict[int, set[str]] = {}
         self.tags: dict[str, dict] = {}
         self.schema: dict[str, dict] = {}
+        self.pending: dict[str, int] = {}     # allocated by ALLOC, not yet committed
+        self.lost: dict[int, int] = {}        # global index -> unit that lost the row
 
     def indexes_of(self, keys: list[str]) -> list[int]:
         try:
@@ -51,6 +36,23 @@ class Partition:
         except KeyError:
             missing = [k for k in keys if k not in self.keys]
             raise KeysNotFoundError(missing, self.pid) from None
+
+    def check_readable(self, keys: list[str], indexes: list[int]) -> None:
+        """RowsLostError naming the keys among ``keys`` whose rows were lost."""
+        if not self.lost:
+            return
+        lost = self.lost
+        gone = [(k, i) for k, i in zip(keys, indexes) if i in lost]
+        if gone:
+            raise RowsLostError([k for k, _ in gone], self.pid,
+                                fields={k: sorted(self.fields.get(i, ())) for k, i in gone},
+                                units={k: lost[i] for k, i in gone})
+
+    def row(self, key: str, lost=None) -> tuple:
+        """The journal row of visible ``key``."""
+        idx = self.keys[key]
+        return (self.pid, key, idx, self.fields.get(idx, ()), self.tags.get(key),
+                self.lost.get(idx) if lost is None else lost)
 
 
 class Metadata:
@@ -74,6 +76,11 @@ class Metadata:
             raise KeyError(f"partition {pid!r} not found")
         return part
 
+    def visible(self):
+        """Partitions with at least one visible key (a partition of pending keys only is
+        not listed)."""
+        return [p for p in self.partitions.values() if p.keys]
+
     def allocate(self, n: int) -> list[int]:
         out = []
         while self.free and len(out) < n:
@@ -96,43 +103,195 @@ class Metadata:
             if old is not None:
                 check_schema_compatible(field, old, schema)
 
-    def clear(self, part: Partition, keys: list[str]) -> list[int]:
+    def lost_rows(self) -> int:
+        return sum(len(p.lost) for p in self.partitions.values())
+
+    # ---------------------------------------------------------------- put
+    def alloc(self, pid: str, keys: list[str], schemas: dict) -> tuple[list[int], list[int]]:
+        """Indexes of ``keys`` (new keys become pending) and the freshly allocated ones.
+
+        Schemas of new fields are registered now, so a concurrent put of the same field with
+        another dtype is refused here, before it writes anything."""
+        part = self.partition(pid, create=True)
+        for field, schema in schemas.items():
+            part.schema[field] = merge_schema(part.schema.get(field), schema)
+        new_keys = [k for k in dict.fromkeys(keys)
+                    if k not in part.keys and k not in part.pending]
+        fresh = self.allocate(len(new_keys))
+        part.pending.update(zip(new_keys, fresh))
+        known, pending = part.keys, part.pending
+        return [known[k] if k in known else pending[k] for k in keys], fresh
+
+    def plan_commit(self, pid: str, keys: list[str], fields: list[str], tags) -> tuple:
+        """(change, updates, common fields) of COMMIT_PUT; memory is left as it is."""
+        part = self.require(pid)
+        change = MetaChange(next_index=self.next_index)
+        updates: dict[str, list] = {}  # key -> [idx, fields, tag, was pending]
+        common = None
+        for i, key in enumerate(keys):
+            upd = updates.get(key)
+            if upd is None:
+                idx = part.keys.get(key)
+                pending = idx is None
+                if pending:
+                    idx = part.pending.get(key)
+                    if idx is None:
+                        raise KeysNotFoundError([key], pid)
+                # a lost row comes back with exactly the fields this put wrote
+                base = () if pending or idx in part.lost else part.fields.get(idx, ())
+                upd = updates[key] = [idx, set(base), part.tags.get(key), pending]
+            upd[1].update(fields)
+            if tags is not None and tags[i]:
+                upd[2] = {**(upd[2] or {}), **tags[i]}
+            common = set(upd[1]) if common is None else common & upd[1]
+        change.rows = [(pid, k, u[0], u[1], u[2] or {}, None) for k, u in updates.items()]
+        change.schemas = [(pid, f, part.schema[f]) for f in dict.fromkeys(fields)
+                          if f in part.schema]
+        return change, updates, sorted(common or ())
+
+    def apply_commit(self, pid: str, updates: dict) -> None:
+        part = self.require(pid)
+        for key, (idx, fields, tag, pending) in updates.items():
+            if pending:
+                part.pending.pop(key, None)
+                part.keys[key] = idx
+            part.fields[idx] = fields
+            part.tags[key] = tag or {}
+            part.lost.pop(idx, None)
+
+    # ---------------------------------------------------------------- clear
+    def plan_clear(self, part: Partition, keys: list[str]) -> tuple[MetaChange, list[str]]:
+        gone = [k for k in dict.fromkeys(keys) if k in part.keys]
+        change = MetaChange(deleted=[(part.pid, k) for k in gone])
+        if gone and len(gone) == len(part.keys) and not part.pending:
+            change.dropped = [part.pid]
+        return change, gone
+
+    def apply_clear(self, part: Partition, gone: list[str]) -> list[int]:
         freed = []
-        for key in dict.fromkeys(keys):
-            idx = part.keys.pop(key, None)
-            if idx is None:
-                continue
+        for key in gone:
+            idx = part.keys.pop(key)
             part.fields.pop(idx, None)
             part.tags.pop(key, None)
+            part.lost.pop(idx, None)
             freed.append(idx)
         self.release(freed)
-        if not part.keys:
+        if not part.keys and not part.pending:
             del self.partitions[part.pid]
         return freed
 
-    # ---------------------------------------------------------------- checkpoint
+    # ---------------------------------------------------------------- restore publish
+    def plan_publish(self, pid: str, rows: list, field_schema: dict) -> tuple[MetaChange, dict]:
+        """Change and new schemas of publishing a committed restore's ``rows``
+        (``[key, index, fields, tag, is_new]``)."""
+        part = self.partition(pid)
+        schema = dict(part.schema) if part is not None else {}
+        for field, s in field_schema.items():
+            schema[field] = merge_schema(schema.get(field), s)
+        change = MetaChange(next_index=self.next_index,
+                            schemas=[(pid, f, schema[f]) for f in field_schema])
+        for key, idx, fields, tag, is_new in rows:
+            if is_new or part is None or key not in part.keys or idx in part.lost:
+                new_fields, new_tag = set(fields), dict(tag or {})
+            else:
+                new_fields = part.fields.get(idx, set()) | set(fields)
+                new_tag = {**part.tags.get(key, {}), **(tag or {})} if tag else \
+                    part.tags.get(key, {})
+            change.rows.append((pid, key, idx, new_fields, new_tag, None))
+        return change, schema
+
+    def apply_publish(self, pid: str, change: MetaChange, schema: dict) -> None:
+        part = self.partition(pid, create=True)
+        part.schema = schema
+        for _pid, key, idx, fields, tag, _lost in change.rows:
+            part.pending.pop(key, None)
+            part.keys[key] = idx
+            part.fields[idx] = fields
+            part.tags[key] = tag
+            part.lost.pop(idx, None)
+
+    # ---------------------------------------------------------------- unit re-attach
+    def known_indexes(self) -> set[int]:
+        """Every index a unit's row may legitimately sit at: visible, pending or reserved."""
+        known = set(self.reserved)
+        for part in self.partitions.values():
+            known.update(part.keys.values())
+            known.update(part.pending.values())
+        return known
+
+    def plan_lost(self, uid: int, num_units: int, held: dict) -> MetaChange:
+        """Rows unit ``uid`` should hold (produced fields) but does not list in ``held``
+        (``{index: set of fields}``) become lost on it."""
+        change = MetaChange()
+        for part in self.partitions.values():
+            fields, lost = part.fields, part.lost
+            for key, idx in part.keys.items():
+                if idx % num_units != uid or idx in lost:
+                    continue
+                produced = fields.get(idx)
+                if produced and not produced <= held.get(idx, frozenset()):
+                    change.rows.append(part.row(key, lost=uid))
+        return change
+
+    def apply_lost(self, change: MetaChange) -> None:
+        for pid, _key, idx, _fields, _tag, uid in change.rows:
+            self.partitions[pid].lost[idx] = uid
+
+    # ---------------------------------------------------------------- snapshots
     def snapshot(self) -> dict:
+        """Visible metadata (checkpoints): a lost row carries its unit as a 5th element."""
+        def rows(p):
+            out = []
+            for k, i in p.keys.items():
+                row = [k, i, sorted(p.fields.get(i, ())), p.tags.get(k)]
+                if i in p.lost:
+                    row.append(p.lost[i])
+                out.append(row)
+            return out
         return {
             "next_index": self.next_index,
             "free": sorted(self.free),
-            "partitions": {
-                pid: {"schema": p.schema,
-                      "rows": [[k, i, sorted(p.fields.get(i, ())), p.tags.get(k)]
-                               for k, i in p.keys.items()]}
-                for pid, p in self.partitions.items()},
+            "partitions": {p.pid: {"schema": p.schema, "rows": rows(p)} for p in self.visible()},
         }
 
+    def plan_replace(self, snap: dict) -> MetaChange:
+        """The journal change that replaces everything with checkpoint ``snap``."""
+        change = MetaChange(replace=True, next_index=int(snap["next_index"]))
+        for pid, data in snap["partitions"].items():
+            change.schemas.extend((pid, f, s) for f, s in data["schema"].items())
+            for row in data["rows"]:
+                key, idx, fields, tag = row[:4]
+                change.rows.append((pid, key, idx, fields, tag or {},
+                                    row[4] if len(row) > 4 else None))
+        return change
+
     def replace(self, snap: dict) -> None:
+        """Load ``snap`` (a checkpoint's, or the journal's with ``free`` derived)."""
         self.partitions.clear()
         self.reserved.clear()
         self.next_index = int(snap["next_index"])
-        self.free = list(snap["free"])
-        heapq.heapify(self.free)
+        used = []
+        shared: dict[tuple, frozenset] = {}  # field sets are never changed in place: share
         for pid, data in snap["partitions"].items():
             part = self.partition(pid, create=True)
             part.schema = dict(data["schema"])
-            for key, idx, fields, tag in data["rows"]:
+            for row in data["rows"]:
+                key, idx, fields, tag = row[:4]
                 part.keys[key] = idx
-                part.fields[idx] = set(fields)
-                if tag is not None:
-                    part.tags[key] = tag
+                names = tuple(fields)
+                fs = shared.get(names)
+                if fs is None:
+                    fs = shared[names] = frozenset(names)
+                part.fields[idx] = fs
+                part.tags[key] = tag if tag is not None else {}
+                if len(row) > 4 and row[4] is not None:
+                    part.lost[idx] = row[4]
+                used.append(idx)
+        if used:
+            self.next_index = max(self.next_index, max(used) + 1)
+        if "free" in snap:
+            self.free = list(snap["free"])
+        else:
+            taken = set(used)
+            self.free = [i for i in range(self.next_index) if i not in taken]
+        heapq.heapify(self.free)

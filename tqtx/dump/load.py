@@ -15,15 +15,17 @@ import time
 import filelock
 
 from .. import faults, paths
+from .. import format as fmt
+from .. import states as st
 from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
-from ..journal.store import DumpJournal, controller_journal_path, controller_lock_path
-from ..wire.rpc import call_many, new_id
-from . import format as fmt
-from .publish import dump_lock, recover_publications
+from ..journal.store import DumpJournal
+from ..paths import controller_journal_path, controller_lock_path
+from ..schema import validate_row
+from ..wire.peer import call_many
+from ..wire.rpc import new_id
+from ..publish import dump_lock, recover_publications
 
 log = logging.getLogger("tqtx.restore")
-
-FINAL = {"committed", "aborted", "cancelled", "failed"}
 
 
 def _pending(rec: dict, reason: str, what: str = "") -> RestorePendingError:
@@ -60,15 +62,14 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
         if rec is None:
             raise _pending({"restore_id": rid, "dump_dir": dump_dir,
                             "partition_id": row.get("partition_id")}, "unknown_restore", action)
-        if rec["state"] in FINAL:
+        if rec["state"] in st.RESTORE_FINAL:
             journal.finish_restore(rid, rec["state"])
             return
-        claimed = any(u["state"] == "claimed" for u in rec["units"])
-        raise _pending(rec, "unit_running" if claimed else "in_progress", action)
+        raise _pending(rec, st.pending_reason(u["state"] for u in rec["units"]), action)
     alive = _controller_alive(row.get("controller_state_dir"))
     if alive is False:
         # Its controller is gone, and its metadata with it: that restore can never commit.
-        journal.finish_restore(rid, "aborted")
+        journal.finish_restore(rid, st.ABORTED)
         log.warning("restore %s: reading %s, belonged to a controller that is gone; marked "
                     "aborted", rid, dump_dir)
         return
@@ -83,7 +84,7 @@ def _mark_dump_journal(dump_dir: str, rid: str, state: str, state_dir: str | Non
     with dump_lock(dump_dir, state_dir=state_dir):
         with DumpJournal(dump_dir, state_dir=state_dir) as dj:
             row = dj.get_restore(rid)
-            if row is not None and row["state"] == "reading":
+            if row is not None and row["state"] == st.READING:
                 dj.finish_restore(rid, state)
 
 
@@ -171,11 +172,11 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
         rec = client.controller.call("GET_RESTORE", {"restore_id": rid})["restore"]
         timed_out = {u for u, e in errors if isinstance(e, PeerTimeoutError)}
         running = [x["unit_id"] for x in rec["units"]
-                   if x["state"] == "claimed" and x["unit_id"] in timed_out]
+                   if x["state"] == st.CLAIMED and x["unit_id"] in timed_out]
         if running:
             # A unit that claimed permission may still be writing its staging area: the
             # restore stays open until it reports (recover_data_load settles it).
-            raise _pending(rec, "unit_running",
+            raise _pending(rec, st.UNIT_RUNNING,
                            f"restore {rid}: unit(s) {running} did not reply in time;")
         first = errors[0][1]
         for u, e in errors:
@@ -189,7 +190,7 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
     out = _finish(client, rid, commit=True, dump_dir=dump_dir)
     faults.hit("client.restore.after_finish")
     _mark_dump_journal(dump_dir, rid, out["outcome"])
-    if out["outcome"] != "committed":
+    if out["outcome"] != st.COMMITTED:
         raise RuntimeError(f"restore {rid} of {dump_dir} was {out['outcome']}: {out['reason']}")
     new_keys = sum(1 for n in plan["new"] if n)
     report = {"restore_id": rid, "keys": len(index.rows), "new_keys": new_keys,
@@ -223,7 +224,7 @@ def _load_via_client(client, dump_dir: str, partition_id, t0) -> dict:
         for batch in fmt.read_records(shard["path"], shard["records"], batch=128):
             for src, row in batch:
                 key, fields, _tag = by_src[src]
-                fmt.validate_row(row, index.field_schema, where=f"{shard['path']} global index {src}")
+                validate_row(row, index.field_schema, where=f"{shard['path']} global index {src}")
                 rows_by_key[key] = row
         read_bytes += shard["size"]
     groups: dict[tuple, list] = {}
@@ -272,31 +273,31 @@ def _settle(client, dump_dir: str, rid: str, row: dict | None, cancel: bool) -> 
         if row is not None and os.path.abspath(row.get("controller_state_dir") or "") != \
                 os.path.abspath(client.topology["state_dir"]):
             if _controller_alive(row.get("controller_state_dir")) is False:
-                _mark_dump_journal(dump_dir, rid, "aborted")
+                _mark_dump_journal(dump_dir, rid, st.ABORTED)
                 return False
         if cancel:
-            _mark_dump_journal(dump_dir, rid, "cancelled")
+            _mark_dump_journal(dump_dir, rid, st.CANCELLED)
             log.warning("restore %s: of %s, unknown to the controller; cancelled", rid, dump_dir)
             return False
         raise _pending({"restore_id": rid, "dump_dir": dump_dir,
                         "partition_id": (row or {}).get("partition_id")}, "unknown_restore")
-    if rec["state"] == "committing":
+    if rec["state"] == st.COMMITTING:
         # decided: roll forward whatever was asked; cancel only ends as failed a restore
         # the dump can no longer roll forward (reason redo_failed)
         out = _finish(client, rid, commit=True, cancel=cancel, dump_dir=dump_dir)
         rec = {**rec, "state": out["outcome"]}
-    elif rec["state"] not in FINAL:
-        states = {u["unit_id"]: u["state"] for u in rec["units"]}
+    elif rec["state"] not in st.RESTORE_FINAL:
+        decision = st.restore_decision(u["state"] for u in rec["units"])
         if cancel:
             out = _finish(client, rid, commit=False, cancel=True, reason="cancelled by "
                           "recover_data_load", dump_dir=dump_dir)
-        elif "claimed" in states.values():
-            raise _pending(rec, "unit_running")
-        elif all(s == "staged" for s in states.values()):
+        elif decision == st.WAIT:
+            raise _pending(rec, st.UNIT_RUNNING)
+        elif decision == st.COMMIT:
             out = _finish(client, rid, commit=True, dump_dir=dump_dir)
         else:
             out = _finish(client, rid, commit=False, reason="recovered: not every unit staged",
                           dump_dir=dump_dir)
         rec = {**rec, "state": out["outcome"]}
     _mark_dump_journal(dump_dir, rid, rec["state"])
-    return rec["state"] == "committed"
+    return rec["state"] == st.COMMITTED

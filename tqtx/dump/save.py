@@ -2,7 +2,7 @@
 
 The controller describes the rows (metadata only); each owner unit snapshots its rows
 and writes one shard; the client writes the row index and manifest and publishes the
-staging directory crash-safely (see :mod:`tqtx.dump.publish`).
+staging directory crash-safely (see :mod:`tqtx.publish`).
 """
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import logging
 import threading
 import time
 
-from .. import __version__, faults, paths
-from ..client import check_utf8
+from .. import faults, paths
+from .. import format as fmt
 from ..journal.store import DumpJournal
-from ..wire.rpc import call_many, new_id
-from . import format as fmt
-from .publish import Publication, dump_lock, recover_publications
+from ..validate import check_utf8
+from ..version import __version__
+from ..wire.peer import call_many
+from ..wire.rpc import new_id
+from ..publish import Publication, dump_lock, recover_publications
 
 log = logging.getLogger("tqtx.dump")
 

@@ -4,232 +4,42 @@
 * :class:`DumpJournal` -- ``<dump_dir>.journal.sqlite`` (rollback journal, works on network
   filesystems), alembic chain ``dump``.
 
-Every connection gets the pragmas listed in :func:`make_engine`; every transition is one
-``BEGIN IMMEDIATE`` transaction, so concurrent writers from several processes serialize on
-the SQLite write lock instead of failing on lock upgrade. Opening a journal upgrades it to
-the head of its chain first, under a ``<db>.migrate.lock`` file lock.
+Every connection gets the pragmas listed in :func:`tqtx.journal.migrate.make_engine`; every
+transition is one ``BEGIN IMMEDIATE`` transaction, so concurrent writers from several
+processes serialize on the SQLite write lock instead of failing on lock upgrade. Opening a
+journal upgrades it to the head of its chain first, under a ``<db>.migrate.lock`` file lock.
 
-Repeating a transition into the state a row is already in is a no-op (callers retry after
-lost replies); any other move that is not listed as legal raises :class:`IllegalTransition`.
+The state machines are the tables of :mod:`tqtx.states`; every move goes through
+:func:`tqtx.states.check`: repeating a transition into the state a row is already in is a
+no-op (callers retry after lost replies), any other move it does not list raises
+:class:`~tqtx.states.IllegalTransition`.
 """
 from __future__ import annotations
 
-import functools
-import importlib.resources
 import os
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from filelock import FileLock
-from sqlalchemy.exc import DatabaseError, OperationalError
-from sqlalchemy import Engine, create_engine, event, select
-from sqlalchemy.engine import URL
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import Session
 
-from ..paths import (  # noqa: F401  (re-exported)
-    controller_journal_path, controller_lock_path, dump_journal_path, migrate_lock_path,
-    records_location,
-)
-from .models import (
-    PUBLICATION_FINAL, PUBLICATION_PHASES, RESTORE_FINAL, UNIT_FINAL, Dump, DumpRestore,
-    Incarnation, Publication, RecoveryEvent, Restore, RestoreUnit,
-)
+from .. import states as st
+from ..paths import controller_journal_path, records_location
+from ..states import IllegalTransition, check
+from .meta import apply_change
+from .migrate import CONTROLLER, DUMP, current_revision, make_engine, upgrade_engine
+from .models import Dump, DumpRestore, Incarnation, Publication, RecoveryEvent, Restore, RestoreUnit
 
-CONTROLLER = "controller"
-DUMP = "dump"
-BUSY_TIMEOUT_MS = 30000
+# The reason the startup replay stores on the restores a previous incarnation left open.
 RESTART_REASON = "controller restarted"
-
-# Legal forward moves; the same-state move is handled separately as an idempotent no-op.
-RESTORE_TRANSITIONS: dict[str, frozenset[str]] = {
-    "active": frozenset({"committing", "aborted", "cancelled", "failed"}),
-    "committing": frozenset({"committed", "aborted", "failed"}),  # aborted: restart only
-}
-UNIT_TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"claimed", "failed", "dropped"}),
-    "claimed": frozenset({"staged", "failed", "dropped"}),
-    "staged": frozenset({"applied", "failed", "dropped"}),
-}
-PHASE_ORDER = ("staging", "written", "synced", "old-moved", "published", "cleaned")
-PHASE_FAILED_FROM = frozenset({"staging", "written", "synced"})
-PHASE_ROLLBACK_FROM = frozenset({"staging", "written", "synced", "old-moved"})
-DUMP_RESTORE_FINAL = ("committed", "aborted", "cancelled", "failed")
-
-
-class IllegalTransition(ValueError):
-    """A journal row was asked to move to a state its state machine does not allow."""
 
 
 def utcnow() -> str:
     """Current UTC time as an ISO-8601 string with microseconds (the journals' timestamp)."""
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def default_state_dir() -> Path:
-    """``$TQTX_STATE_DIR``, else ``$XDG_STATE_HOME/tqtx/default``, else ``~/.local/state/tqtx/default``."""
-    env = os.environ.get("TQTX_STATE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
-    return base / "tqtx" / "default"
-
-
-# controller_journal_path, controller_lock_path and dump_journal_path live in tqtx.paths
-# (every file name tqtx uses in one place) and are re-exported from here.
-
-
-# --------------------------------------------------------------------------- engine
-
-
-def make_engine(path: str | os.PathLike, *, wal: bool) -> Engine:
-    """SQLite engine whose connections set the journal pragmas and begin with BEGIN IMMEDIATE.
-
-    Pragmas: ``busy_timeout=30000``, ``journal_mode=WAL`` (``PERSIST`` when ``wal`` is false:
-    a rollback journal, safe on network filesystems, whose file is kept and zeroed rather
-    than deleted at each commit -- ~10x cheaper than DELETE on this disk),
-    ``synchronous=FULL``, ``foreign_keys=ON``.
-    """
-    engine = create_engine(URL.create("sqlite", database=os.fspath(path)))
-    journal_mode = "WAL" if wal else "PERSIST"
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record):
-        # pysqlite recipe: stop the driver from issuing its own BEGIN so the "begin"
-        # event below controls the transaction start.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        cur.execute(f"PRAGMA journal_mode={journal_mode}")
-        cur.execute("PRAGMA synchronous=FULL")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
-
-
-# --------------------------------------------------------------------------- migrations
-
-
-def migrations_dir() -> Path:
-    """Filesystem location of the alembic environment (package ``tqtx.migrations``)."""
-    return Path(str(importlib.resources.files("tqtx.migrations")))
-
-
-def alembic_config(chain: str, connection=None):
-    """An in-memory alembic Config for ``chain`` ('controller' or 'dump'); no alembic.ini."""
-    from alembic.config import Config  # alembic is imported lazily: opening is the rare path
-
-    if chain not in (CONTROLLER, DUMP):
-        raise ValueError(f"unknown journal chain {chain!r}")
-    cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()).replace("%", "%%"))
-    cfg.set_main_option("path_separator", "os")
-    cfg.attributes["chain"] = chain
-    if connection is not None:
-        cfg.attributes["connection"] = connection
-    return cfg
-
-
-@functools.lru_cache(maxsize=None)
-def head_revision(chain: str) -> str:
-    """Head revision id of ``chain``."""
-    from alembic.script import ScriptDirectory
-
-    script = ScriptDirectory.from_config(alembic_config(chain))
-    return script.get_revision(f"{chain}@head").revision
-
-
-def _current(conn) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
-    heads = MigrationContext.configure(conn).get_current_heads()
-    return heads[0] if len(heads) == 1 else (",".join(heads) or None)
-
-
-def current_revision(engine: Engine) -> str | None:
-    """Revision stamped in the database, or None for an empty database."""
-    with engine.connect() as conn:
-        return _current(conn)
-
-
-# Head revision of each chain. Checked against the migration scripts by a test; lets a
-# journal at head open without importing alembic (which costs ~0.4 s per process).
-HEADS = {CONTROLLER: "c0002", DUMP: "d0002"}
-
-
-def _stamped_revision(conn) -> str | None:
-    """The alembic_version row, read with plain SQL (None for a database without one)."""
-    try:
-        rows = conn.exec_driver_sql("SELECT version_num FROM alembic_version").fetchall()
-    except OperationalError:
-        return None
-    return rows[0][0] if len(rows) == 1 else (",".join(r[0] for r in rows) or None)
-
-
-def _is_empty(conn) -> bool:
-    return conn.exec_driver_sql(
-        "SELECT count(*) FROM sqlite_master WHERE type='table'").scalar() == 0
-
-
-def _metadata(chain: str):
-    from . import models
-    return models.ControllerBase.metadata if chain == CONTROLLER else models.DumpBase.metadata
-
-
-def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
-                   revision: str = "head") -> tuple[str | None, str | None]:
-    """Upgrade the database behind ``engine`` to ``revision`` of ``chain``.
-
-    Serialized across processes by ``<db>.migrate.lock``; the whole upgrade runs in one
-    BEGIN IMMEDIATE transaction. A brand-new journal going to head is created from the
-    models and stamped (the same schema the migrations build, proven by a test), which
-    keeps alembic off the path of every dump to a new directory. Returns
-    (revision before, revision after).
-    """
-    target_id = HEADS[chain] if revision == "head" else revision
-    with engine.connect() as conn:
-        before = _stamped_revision(conn)
-    if before == target_id:
-        return before, before
-    with FileLock(os.fspath(migrate_lock_path(db_path))):
-        with engine.begin() as conn:
-            before = _stamped_revision(conn)
-            if before == target_id:
-                return before, before
-            if before is None and revision == "head" and _is_empty(conn):
-                _metadata(chain).create_all(conn)
-                conn.exec_driver_sql("CREATE TABLE alembic_version (version_num VARCHAR(32) "
-                                     "NOT NULL, CONSTRAINT alembic_version_pkc PRIMARY KEY "
-                                     "(version_num))")
-                conn.exec_driver_sql("INSERT INTO alembic_version (version_num) VALUES (?)",
-                                     (target_id,))
-            else:
-                from alembic import command
-
-                target = f"{chain}@head" if revision == "head" else revision
-                command.upgrade(alembic_config(chain, conn), target)
-    with engine.connect() as conn:
-        return before, _stamped_revision(conn)
-
-
-def migrate(db_path: str | os.PathLike, chain: str, revision: str = "head"
-            ) -> tuple[str | None, str | None]:
-    """Create or upgrade the journal file ``db_path`` to ``revision`` of ``chain``."""
-    engine = make_engine(db_path, wal=(chain == CONTROLLER))
-    try:
-        return upgrade_engine(engine, db_path, chain, revision)
-    finally:
-        engine.dispose()
 
 
 # --------------------------------------------------------------------------- base
@@ -371,18 +181,18 @@ class ControllerJournal(_Journal):
                 now = utcnow()
                 r = Restore(restore_id=restore_id, partition_id=partition_id,
                             dump_dir=os.fspath(dump_dir), dump_id=dump_id,
-                            incarnation_id=incarnation_id, state="active", keys=keys, rows=rows,
+                            incarnation_id=incarnation_id, state=st.ACTIVE, keys=keys, rows=rows,
                             bytes=bytes, created_at=now, updated_at=now)
                 s.add(r)
-                s.add_all(RestoreUnit(restore_id=restore_id, unit_id=int(u), state="pending",
+                s.add_all(RestoreUnit(restore_id=restore_id, unit_id=int(u), state=st.PENDING,
                                       created_at=now, updated_at=now)
                           for u in sorted(set(units)))
                 s.flush()
             return self._restore_dicts(s, [r])[0]
 
-    def _unit_move(self, restore_id: str, unit_id: int, to: str, *,
-                   restore_states: tuple[str, ...] | None = None, check_first: bool = False,
+    def _unit_move(self, restore_id: str, unit_id: int, to: str, *, check_first: bool = False,
                    **fields) -> dict:
+        restore_states = st.UNIT_NEEDS_RESTORE.get(to)
         with self._tx() as s:
             r = self._get_restore(s, restore_id)
             u = s.scalars(select(RestoreUnit).where(RestoreUnit.restore_id == restore_id,
@@ -398,11 +208,8 @@ class ControllerJournal(_Journal):
 
             if check_first:
                 _check_restore()
-            if u.state == to:
+            if not check(st.UNIT, u.state, to, subject=f"restore {restore_id!r} unit {unit_id}"):
                 return _cols(u, _UNIT_COLS)
-            if to not in UNIT_TRANSITIONS.get(u.state, ()):
-                raise IllegalTransition(
-                    f"restore {restore_id!r} unit {unit_id}: illegal transition {u.state} -> {to}")
             _check_restore()
             u.state = to
             u.updated_at = utcnow()
@@ -412,88 +219,99 @@ class ControllerJournal(_Journal):
 
     def claim_unit(self, restore_id: str, unit_id: int) -> dict:
         """pending -> claimed; the restore must be ``active``. Re-claiming is a no-op."""
-        return self._unit_move(restore_id, unit_id, "claimed", restore_states=("active",),
-                               check_first=True)
+        return self._unit_move(restore_id, unit_id, st.CLAIMED, check_first=True)
 
     def stage_unit(self, restore_id: str, unit_id: int, *, rows: int, bytes: int) -> dict:  # noqa: A002
         """claimed -> staged, recording what the unit staged; the restore must be ``active``."""
-        return self._unit_move(restore_id, unit_id, "staged", restore_states=("active",),
-                               rows=rows, bytes=bytes)
+        return self._unit_move(restore_id, unit_id, st.STAGED, rows=rows, bytes=bytes)
 
     def apply_unit(self, restore_id: str, unit_id: int) -> dict:
         """staged -> applied; the restore must be ``committing`` (or ``committed``)."""
-        return self._unit_move(restore_id, unit_id, "applied",
-                               restore_states=("committing", "committed"))
+        return self._unit_move(restore_id, unit_id, st.APPLIED)
 
     def fail_unit(self, restore_id: str, unit_id: int, error: str) -> dict:
         """pending|claimed|staged -> failed, with the error text."""
-        return self._unit_move(restore_id, unit_id, "failed", error=error)
+        return self._unit_move(restore_id, unit_id, st.FAILED, error=error)
 
     def drop_unit(self, restore_id: str, unit_id: int) -> dict:
         """pending|claimed|staged -> dropped."""
-        return self._unit_move(restore_id, unit_id, "dropped")
+        return self._unit_move(restore_id, unit_id, st.DROPPED)
 
-    def decide_commit(self, restore_id: str) -> dict:
-        """active -> committing; every claim must be ``staged``. Repeating is a no-op."""
+    def decide_commit(self, restore_id: str, plan: bytes | None = None) -> dict:
+        """active -> committing; the commit rule (:func:`tqtx.states.restore_decision`) must
+        say commit: every claim is ``staged``. Repeating is a no-op. ``plan`` (the encoded
+        restore plan) is stored with the decision, so a restarted controller can roll the
+        restore forward."""
         with self._tx() as s:
             r = self._get_restore(s, restore_id)
-            if r.state != "committing":
-                if r.state != "active":
-                    raise IllegalTransition(
-                        f"restore {restore_id!r}: illegal transition {r.state} -> committing")
+            if check(st.RESTORE, r.state, st.COMMITTING, subject=f"restore {restore_id!r}"):
                 units = s.scalars(select(RestoreUnit).where(
                     RestoreUnit.restore_id == restore_id)).all()
-                bad = {u.unit_id: u.state for u in units if u.state != "staged"}
-                if bad:
-                    detail = ", ".join(f"unit {k}: {v}" for k, v in sorted(bad.items()))
+                if st.restore_decision(u.state for u in units) != st.COMMIT:
+                    detail = ", ".join(f"unit {u.unit_id}: {u.state}"
+                                       for u in sorted(units, key=lambda u: u.unit_id)
+                                       if u.state != st.STAGED)
                     raise IllegalTransition(
-                        f"restore {restore_id!r}: illegal transition active -> committing "
+                        f"restore {restore_id!r}: illegal transition {r.state} -> committing "
                         f"(not every claim is staged: {detail})")
-                r.state = "committing"
+                r.state = st.COMMITTING
+                r.plan = plan
                 r.updated_at = utcnow()
             return self._restore_dicts(s, [r])[0]
+
+    def restore_plan(self, restore_id: str) -> bytes | None:
+        """The plan stored with a restore's commit decision (None once it ended)."""
+        with self._tx() as s:
+            r = s.get(Restore, restore_id)
+            return None if r is None else r.plan
 
     def note_reason(self, restore_id: str, reason: str | None) -> dict:
         """Record why a restore that is not final yet is still unresolved (no state change),
         e.g. ``redo_failed: <dump>: ...`` on a ``committing`` restore; final ones are kept."""
         with self._tx() as s:
             r = self._get_restore(s, restore_id)
-            if r.state not in RESTORE_FINAL and r.reason != reason:
+            if r.state not in st.RESTORE_FINAL and r.reason != reason:
                 r.reason = reason
                 r.updated_at = utcnow()
             return self._restore_dicts(s, [r])[0]
 
-    def finish_restore(self, restore_id: str, outcome: str, reason: str | None = None) -> dict:
+    def finish_restore(self, restore_id: str, outcome: str, reason: str | None = None, *,
+                       restart: bool = False, meta_change=None) -> dict:
         """Move a restore to a final state (outcome = that state).
 
         Same final outcome again is a no-op; a different one raises IllegalTransition.
-        ``committing -> aborted`` is only legal with reason "controller restarted". For any
-        outcome but ``committed`` the restore's non-final claims become ``dropped``.
+        ``committing -> aborted`` is only legal with ``restart=True`` (see
+        :meth:`abort_after_restart`). For any outcome but ``committed`` the restore's non-final
+        claims become ``dropped``. ``meta_change`` (a :class:`~tqtx.journal.meta.MetaChange`,
+        the published metadata of a commit) is written in the same transaction.
         """
-        if outcome not in RESTORE_FINAL:
+        if outcome not in st.RESTORE_FINAL:
             raise IllegalTransition(f"restore {restore_id!r}: {outcome!r} is not a final state")
         with self._tx() as s:
             r = self._get_restore(s, restore_id)
-            if r.state == outcome:
+            if not check(st.RESTORE, r.state, outcome, subject=f"restore {restore_id!r}",
+                         restart=restart, detail=f" (reason {reason!r})" if reason else ""):
                 return self._restore_dicts(s, [r])[0]
-            legal = outcome in RESTORE_TRANSITIONS.get(r.state, ())
-            if legal and r.state == "committing" and outcome == "aborted":
-                legal = reason == RESTART_REASON
-            if not legal:
-                raise IllegalTransition(
-                    f"restore {restore_id!r}: illegal transition {r.state} -> {outcome}"
-                    + (f" (reason {reason!r})" if reason else ""))
             now = utcnow()
             r.state = r.outcome = outcome
             r.reason = reason
+            r.plan = None
             r.updated_at = r.finished_at = now
-            if outcome != "committed":
+            if meta_change:
+                conn = s.connection()
+                apply_change(conn.exec_driver_sql, meta_change)
+            if outcome != st.COMMITTED:
                 for u in s.scalars(select(RestoreUnit).where(
                         RestoreUnit.restore_id == restore_id,
-                        RestoreUnit.state.not_in(UNIT_FINAL))):
-                    u.state = "dropped"
+                        RestoreUnit.state.not_in(st.UNIT_FINAL))):
+                    u.state = st.DROPPED
                     u.updated_at = now
             return self._restore_dicts(s, [r])[0]
+
+    def abort_after_restart(self, restore_id: str) -> dict:
+        """End a restore a previous controller incarnation left open as ``aborted`` with reason
+        :data:`RESTART_REASON` (the startup replay); legal even from ``committing``."""
+        return self.finish_restore(restore_id, st.ABORTED, RESTART_REASON, restart=True)
 
     def get_restore(self, restore_id: str) -> dict | None:
         """The restore with its claims, or None."""
@@ -514,7 +332,7 @@ class ControllerJournal(_Journal):
 
     def unresolved_restores(self) -> list[dict]:
         """Restores not in a final state, oldest first."""
-        q = (select(Restore).where(Restore.state.not_in(RESTORE_FINAL))
+        q = (select(Restore).where(Restore.state.not_in(st.RESTORE_FINAL))
              .order_by(Restore.created_at, Restore.restore_id))
         with self._tx() as s:
             return self._restore_dicts(s, list(s.scalars(q)))
@@ -597,31 +415,21 @@ class DumpJournal(_Journal):
             if p is None:
                 now = utcnow()
                 p = Publication(attempt_id=attempt_id, kind=kind, dump_id=dump_id,
-                                staging_dir=os.fspath(staging_dir), phase="staging",
+                                staging_dir=os.fspath(staging_dir), phase=st.STAGING,
                                 created_at=now, updated_at=now)
                 s.add(p)
                 s.flush()
             return _cols(p, _PUB_COLS)
 
     def set_phase(self, attempt_id: str, phase: str, error: str | None = None) -> dict:
-        """Move a publication forward (see PHASE_ORDER, ``failed``, ``rolled-back``)."""
-        if phase not in PUBLICATION_PHASES:
+        """Move a publication along :data:`tqtx.states.PUBLICATION`."""
+        if phase not in st.PUBLICATION_PHASES:
             raise IllegalTransition(f"publication {attempt_id!r}: unknown phase {phase!r}")
         with self._tx() as s:
             p = s.get(Publication, attempt_id)
             if p is None:
                 raise KeyError(f"unknown publication attempt {attempt_id!r}")
-            if p.phase != phase:
-                cur = p.phase
-                if phase == "failed":
-                    legal = cur in PHASE_FAILED_FROM
-                elif phase == "rolled-back":
-                    legal = cur in PHASE_ROLLBACK_FROM
-                else:
-                    legal = cur in PHASE_ORDER and PHASE_ORDER.index(phase) > PHASE_ORDER.index(cur)
-                if not legal:
-                    raise IllegalTransition(
-                        f"publication {attempt_id!r}: illegal transition {cur} -> {phase}")
+            if check(st.PUBLICATION, p.phase, phase, subject=f"publication {attempt_id!r}"):
                 p.phase = phase
                 p.updated_at = utcnow()
             if error is not None:
@@ -644,7 +452,7 @@ class DumpJournal(_Journal):
     def unfinished_publications(self) -> list[dict]:
         """Publication attempts not in a final phase, oldest first."""
         with self._tx() as s:
-            q = (select(Publication).where(Publication.phase.not_in(PUBLICATION_FINAL))
+            q = (select(Publication).where(Publication.phase.not_in(st.PUBLICATION_FINAL))
                  .order_by(Publication.created_at, Publication.attempt_id))
             return [_cols(p, _PUB_COLS) for p in s.scalars(q)]
 
@@ -662,7 +470,7 @@ class DumpJournal(_Journal):
                                 incarnation_id=incarnation_id,
                                 controller_state_dir=(None if controller_state_dir is None
                                                       else os.fspath(controller_state_dir)),
-                                partition_id=partition_id, state="reading", created_at=now,
+                                partition_id=partition_id, state=st.READING, created_at=now,
                                 updated_at=now)
                 s.add(r)
                 s.flush()
@@ -670,16 +478,13 @@ class DumpJournal(_Journal):
 
     def finish_restore(self, restore_id: str, state: str) -> dict:
         """reading -> committed|aborted|cancelled|failed (same state again is a no-op)."""
-        if state not in DUMP_RESTORE_FINAL:
+        if state not in st.DUMP_RESTORE_FINAL:
             raise IllegalTransition(f"restore {restore_id!r}: {state!r} is not a final state")
         with self._tx() as s:
             r = s.get(DumpRestore, restore_id)
             if r is None:
                 raise KeyError(f"unknown restore {restore_id!r}")
-            if r.state != state:
-                if r.state != "reading":
-                    raise IllegalTransition(
-                        f"restore {restore_id!r}: illegal transition {r.state} -> {state}")
+            if check(st.DUMP_RESTORE, r.state, state, subject=f"restore {restore_id!r}"):
                 r.state = state
                 r.updated_at = utcnow()
             return _cols(r, _DRESTORE_COLS)
@@ -703,4 +508,4 @@ class DumpJournal(_Journal):
 
     def active_restores(self) -> list[dict]:
         """Restores still ``reading``."""
-        return list(reversed(self.list_restores(state="reading")))
+        return list(reversed(self.list_restores(state=st.READING)))

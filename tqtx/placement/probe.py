@@ -72,7 +72,7 @@ def check_units_reach(client, target: str, what: str, units=None) -> None:
     ``target``'s parent; no-op when all units are local to this host."""
     if units_are_local(client):
         return
-    from ..wire.rpc import call_many
+    from ..wire.peer import call_many
     parent = os.path.dirname(os.path.abspath(target))
     name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     token = uuid.uuid4().hex

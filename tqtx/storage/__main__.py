@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     announce({"ready": unit.address, "pid": os.getpid(), "unit_id": args.unit_id})
     from .memory import start_trimmer
     start_trimmer()  # freed row memory goes back to the OS (docs/performance.md)
+    unit.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
     unit.serve_forever()
     return 0
 

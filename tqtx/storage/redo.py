@@ -9,8 +9,9 @@ import logging
 import time
 
 from .. import faults
-from ..dump import format as fmt
+from .. import format as fmt
 from ..errors import DumpFormatError
+from ..schema import validate_row
 from ..wire.values import value_nbytes
 
 log = logging.getLogger("tqtx.unit")
@@ -90,7 +91,7 @@ class RedoRestore:
         for path, entries in by_shard.items():
             for batch in fmt.read_records(path, entries, batch=128):
                 for src, row in batch:
-                    fmt.validate_row(row, schema, where=f"{path} record of global index {src}")
+                    validate_row(row, schema, where=f"{path} record of global index {src}")
                     for dest, fresh in targets[src]:
                         staged[dest] = (fresh, row)
                     nbytes += sum(value_nbytes(v) for v in row.values())

@@ -15,18 +15,21 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
-from ..dump import format as fmt
+from .. import format as fmt
 from ..errors import PeerTimeoutError
 from ..placement.probe import node_name, unit_probe
-from ..wire.rpc import CONNECT_TIMEOUT, Peer, Server, new_id
+from ..schema import validate_row
+from ..wire.peer import CONNECT_TIMEOUT, Peer
+from ..wire.rpc import Server, new_id
 from ..wire.values import RawTensor, value_nbytes
+from .attach import UnitAttach
 from .memory import own_small_frames
 from .redo import RedoRestore
 
 log = logging.getLogger("tqtx.unit")
 
 
-class StorageUnit(RedoRestore):
+class StorageUnit(RedoRestore, UnitAttach):
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
                  port: int = 0, curve=None, client_curve=None):
         self.unit_id = unit_id
@@ -45,6 +48,7 @@ class StorageUnit(RedoRestore):
         self.applied_checkpoint: str | None = None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"unit{unit_id}-io")
         self.started = time.time()
+        self._init_attach()
         s = self.server
         for op, fn, mutating in [
             ("PING", self.ping, False), ("PUT_ROWS", self.put_rows, True),
@@ -70,14 +74,6 @@ class StorageUnit(RedoRestore):
 
     def controller(self) -> Peer:
         return Peer(self.controller_address, "controller", timeout=60, curve=self.client_curve)
-
-    def register(self, timeout: float = 60.0) -> None:
-        peer = self.controller()
-        try:
-            peer.call("REGISTER_UNIT", {"unit_id": self.unit_id, "address": self.address},
-                      timeout=timeout)
-        finally:
-            peer.close()
 
     # ---------------------------------------------------------------- kv
     def ping(self, body, req):
@@ -118,6 +114,8 @@ class StorageUnit(RedoRestore):
             if idx not in rows:
                 rows[idx] = {}
         self.bytes_held += nbytes - freed
+        if self.write_watch:  # a registration is in flight: these rows must survive its reply
+            self._note_writes([idx for idx, _ in body["rows"]], fresh)
         return {"rows": len(body["rows"]), "bytes": nbytes}
 
     def get_rows(self, body, req):
@@ -248,7 +246,7 @@ class StorageUnit(RedoRestore):
                 for batch in fmt.read_records(path, entries, batch=128):
                     for src, row in batch:
                         where = f"{path} record of global index {src}"
-                        fmt.validate_row(row, schema, where=where)
+                        validate_row(row, schema, where=where)
                         for dest, fresh in targets[(path, src)]:
                             staged[dest] = (fresh, row)
                         nbytes += sum(value_nbytes(v) for v in row.values())
@@ -344,6 +342,8 @@ class StorageUnit(RedoRestore):
                 row.update(values)
                 rows[dest] = row
         self.bytes_held += added
+        if self.write_watch:
+            self._note_writes(staged)
         result = {"rows": len(staged)}
         self.applied[rid] = result
         while len(self.applied) > 1024:
@@ -438,6 +438,7 @@ class StorageUnit(RedoRestore):
         try:
             self.server.serve_forever()
         finally:
+            self.attach_stop.set()
             self.pool.shutdown(wait=True)
 
 

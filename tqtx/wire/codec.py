@@ -97,19 +97,58 @@ def decode(frames: list):
             gc.enable()
 
 
+def _packb_default(value):
+    if isinstance(value, RawTensor):
+        return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
+            [value.dtype, list(value.shape), memoryview(value.data).tobytes()],
+            use_bin_type=True))
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"cannot encode value of type {type(value).__name__}")
+
+
 def packb(obj) -> bytes:
     """Encode ``obj`` into one self-contained bytes object (all tensors inline)."""
-    def default(value):
-        if isinstance(value, RawTensor):
-            return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
-                [value.dtype, list(value.shape), memoryview(value.data).tobytes()],
-                use_bin_type=True))
-        if isinstance(value, (set, frozenset)):
-            return sorted(value)
-        raise TypeError(f"cannot encode value of type {type(value).__name__}")
-    return msgpack.packb(obj, default=default, use_bin_type=True)
+    return msgpack.packb(obj, default=_packb_default, use_bin_type=True)
 
 
 def unpackb(data):
     """Decode bytes produced by :func:`packb`; refuses any non-tensor extension."""
     return decode([data])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _stored_ext_hook(code, payload):
+    if code != EXT_TENSOR_INLINE:
+        raise CodecError(f"unexpected extension type {code}")
+    try:
+        dtype, shape, data = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise CodecError(f"malformed tensor: {exc}") from None
+    if not isinstance(dtype, str) or not isinstance(shape, list) \
+            or not isinstance(data, bytes) or not all(_is_int(s) for s in shape):
+        raise CodecError("malformed tensor")
+    tensor = RawTensor(dtype, shape, data)
+    try:
+        tensor.validate("tensor")
+    except ValueError as exc:
+        raise CodecError(str(exc)) from None
+    return tensor
+
+
+def unpack_stored(data):
+    """Decode :func:`packb` bytes read from a file (the dump format's msgpack).
+
+    Stricter than :func:`unpackb` about tensors (inline only, shape of ints, bytes payload)
+    and without its header size limit or GC pause (callers pause GC around big files).
+    ``data`` may be bytes or a memoryview; raises CodecError.
+    """
+    try:
+        return msgpack.unpackb(data, ext_hook=_stored_ext_hook, raw=False, strict_map_key=False)
+    except CodecError:
+        raise
+    except Exception as exc:  # msgpack raises several types for garbage input
+        raise CodecError(f"{type(exc).__name__}: {exc}") from None

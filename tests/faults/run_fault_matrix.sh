@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run the whole fault matrix: the fast subset (default CI), the slow crash matrix, the I/O
 # error positions. Prints the number of cases run and how each group ended.
-#   scripts/run_fault_matrix.sh            # everything under tests/faults
-#   scripts/run_fault_matrix.sh -x -v      # extra pytest arguments are passed through
+#   tests/faults/run_fault_matrix.sh            # everything under tests/faults
+#   tests/faults/run_fault_matrix.sh -x -v      # extra pytest arguments are passed through
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 rc=0
 for sel in "not slow" "slow"; do

@@ -22,16 +22,14 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .. import faults, paths
-from ..errors import ReadOnlyDumpError, TargetNotADumpError
-from ..journal.store import DumpJournal
-from ..paths import lock_path, old_path, staging_path  # noqa: F401  (re-exported)
-from .format import fsync_dir
+from . import faults, paths
+from . import states as st
+from .errors import ReadOnlyDumpError, TargetNotADumpError
+from .fsutil import fsync_dir, fsync_tree
+from .journal.store import DumpJournal
+from .paths import old_path, staging_path
 
-__all__ = [
-    "Publication", "dump_lock", "fsync_dir", "fsync_file", "lock_path", "old_path",
-    "publish_dir_size", "recover_publications", "staging_path",
-]
+__all__ = ["Publication", "dump_lock", "publish_dir_size", "recover_publications"]
 
 
 _abs = paths.abs_path
@@ -52,30 +50,6 @@ def dump_lock(dump_dir: str | os.PathLike, timeout: float | None = None, *,
                                 f"state dir was given to keep its lock in", path=str(dump_dir))
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(os.fspath(path), timeout=-1 if timeout is None else timeout)
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    """fsync one regular file."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-
-
-def _fsync_tree(root: Path) -> int:
-    """One bottom-up pass: fsync every file, then its directory. Returns total file bytes."""
-    total = 0
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if os.path.isfile(p) and not os.path.islink(p):
-                fsync_file(p)
-                total += os.path.getsize(p)
-        fsync_dir(dirpath)
-    return total
 
 
 def publish_dir_size(path: str | os.PathLike) -> int:
@@ -112,7 +86,7 @@ class Publication:
         # the mkdir) is recorded and recovery knows which directory to remove.
         journal.begin_publication(attempt_id=self.attempt_id, kind=kind, dump_id=dump_id,
                                   staging_dir=self.staging_dir)
-        self.phase = "staging"
+        self.phase = st.STAGING
         created = False
         try:
             self.staging_dir.mkdir(parents=True)  # FileExistsError: never reuse a dir not ours
@@ -121,7 +95,7 @@ class Publication:
         except BaseException as exc:
             if created:
                 _rmtree(self.staging_dir)
-            self._set("failed", f"{type(exc).__name__}: {exc}")
+            self._set(st.FAILED, f"{type(exc).__name__}: {exc}")
             raise
         faults.hit("publish.after_staging")
 
@@ -131,7 +105,7 @@ class Publication:
 
     def mark_written(self) -> None:
         """All writers are done with the staging directory."""
-        self._set("written")
+        self._set(st.WRITTEN)
         faults.hit("publish.after_written")
 
     def commit(self) -> int:
@@ -142,16 +116,16 @@ class Publication:
         under this lock, so a ``.old`` now is not tqtx's.
         """
         self._check_target()
-        size = _fsync_tree(self.staging_dir)
+        size = fsync_tree(self.staging_dir)
         self._check_target()
-        self._set("synced")
+        self._set(st.SYNCED)
         faults.hit("publish.after_synced")
 
         parent = self.dump_dir.parent
         if self.dump_dir.exists() or self.dump_dir.is_symlink():
             os.rename(self.dump_dir, self.old_dir)
             fsync_dir(parent)
-        self._set("old-moved")
+        self._set(st.OLD_MOVED)
         faults.hit("publish.after_old_moved")
 
         os.rename(self.staging_dir, self.dump_dir)
@@ -163,7 +137,7 @@ class Publication:
             if self.old_dir.exists():
                 os.rename(self.old_dir, self.dump_dir)
             raise
-        self._set("published")
+        self._set(st.PUBLISHED)
         faults.hit("publish.after_published")
 
         # No fsync after deleting .old: a leftover .old beside a published dump is garbage
@@ -171,7 +145,7 @@ class Publication:
         # need not be durable.
         if self.old_dir.exists():
             _rmtree(self.old_dir)
-        self._set("cleaned")
+        self._set(st.CLEANED)
         faults.hit("publish.after_cleaned")
         return size
 
@@ -193,20 +167,20 @@ class Publication:
         new dump was already renamed into place, the complete new) dump."""
         row = self.journal.get_publication(self.attempt_id)
         phase = row["phase"] if row else self.phase
-        if phase in ("cleaned", "failed", "rolled-back"):
+        if phase in st.PUBLICATION_FINAL:
             self.phase = phase
             return
-        if phase in ("published",):
+        if phase == st.PUBLISHED:
             # The new dump is already in place: the only safe direction is forward.
             if self.old_dir.exists():
                 _rmtree(self.old_dir)
-            self._set("cleaned", error)
+            self._set(st.CLEANED, error)
             return
         if _settle(self.dump_dir, self.staging_dir, phase, forward=False) == "forward":
-            self._set("published")
-            self._set("cleaned", error)
+            self._set(st.PUBLISHED)
+            self._set(st.CLEANED, error)
         else:
-            self._set("failed" if phase != "old-moved" else "rolled-back", error)
+            self._set(st.FAILED if phase != st.OLD_MOVED else st.ROLLED_BACK, error)
 
 
 def _settle(dump_dir: Path, staging: Path, phase: str, *, forward: bool = True) -> str:
@@ -217,8 +191,8 @@ def _settle(dump_dir: Path, staging: Path, phase: str, *, forward: bool = True) 
     old = old_path(dump_dir)
     parent = dump_dir.parent
     # Before "synced" the attempt never touched <dump> or .old: whatever is there is not ours.
-    moved = phase in ("synced", "old-moved")
-    if forward and phase == "old-moved" and staging.is_dir() and not dump_dir.exists():
+    moved = phase in (st.SYNCED, st.OLD_MOVED)
+    if forward and phase == st.OLD_MOVED and staging.is_dir() and not dump_dir.exists():
         # Staging was synced before old-moved was journaled: finish the swap.
         os.rename(staging, dump_dir)
         fsync_dir(parent)
@@ -226,7 +200,7 @@ def _settle(dump_dir: Path, staging: Path, phase: str, *, forward: bool = True) 
             _rmtree(old)
             fsync_dir(parent)
         return "forward"
-    if phase == "old-moved" and not staging.exists() and dump_dir.exists():
+    if phase == st.OLD_MOVED and not staging.exists() and dump_dir.exists():
         # Crashed after renaming staging into place, before journaling "published".
         if old.exists():
             _rmtree(old)
@@ -275,27 +249,27 @@ def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | Non
             aid, phase = pub["attempt_id"], pub["phase"]
             staging = _journaled_staging(dump, pub)
             if staging is None:
-                journal.set_phase(aid, "cleaned" if phase == "published" else "rolled-back",
+                journal.set_phase(aid, st.CLEANED if phase == st.PUBLISHED else st.ROLLED_BACK,
                                   f"staging path {pub['staging_dir']!r} is not beside "
                                   f"{dump.name}; nothing touched")
                 act("ignored", f"attempt {aid}: staging path {pub['staging_dir']!r} is not "
                                f"{dump.name}{paths.STAGING_INFIX}{aid}; nothing touched")
                 continue
-            if phase == "published":
+            if phase == st.PUBLISHED:
                 old = old_path(dump)
                 if old.exists() or old.is_symlink():
                     _rmtree(old)
                     fsync_dir(dump.parent)
-                journal.set_phase(aid, "cleaned")
+                journal.set_phase(aid, st.CLEANED)
                 act("cleaned", f"attempt {aid}: found published; removed {old.name}")
                 continue
             direction = _settle(dump, staging, phase)
             if direction == "forward":
-                journal.set_phase(aid, "published")
-                journal.set_phase(aid, "cleaned")
+                journal.set_phase(aid, st.PUBLISHED)
+                journal.set_phase(aid, st.CLEANED)
                 act("rolled-forward", f"attempt {aid}: found {phase}; new dump published")
             else:
-                journal.set_phase(aid, "rolled-back", f"recovered from phase {phase}")
+                journal.set_phase(aid, st.ROLLED_BACK, f"recovered from phase {phase}")
                 act("rolled-back", f"attempt {aid}: found {phase}; staging removed, "
                                    f"{'old dump kept' if dump.exists() else 'no dump'}")
         return actions

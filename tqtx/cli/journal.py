@@ -1,7 +1,7 @@
 """``tqtx journal ...``: inspect, recover, migrate and check the tqtx journals.
 
 Each command targets either a controller journal (``--state-dir D``, default
-:func:`~tqtx.journal.store.default_state_dir`) or, given a positional ``DUMP_DIR``, the dump
+:func:`~tqtx.paths.default_state_dir`) or, given a positional ``DUMP_DIR``, the dump
 journal ``<DUMP_DIR>.journal.sqlite``.
 """
 from __future__ import annotations
@@ -16,19 +16,20 @@ from pathlib import Path
 import click
 from filelock import FileLock, Timeout
 
-from .store import (
-    CONTROLLER, DUMP, ControllerJournal, DumpJournal, controller_journal_path,
-    controller_lock_path,
-    default_state_dir, dump_journal_path, head_revision, migrate,
+from ..journal.meta import buffer_summary
+from ..journal.migrate import CONTROLLER, DUMP, head_revision, migrate
+from ..journal.store import ControllerJournal, DumpJournal
+from ..paths import (
+    JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, default_state_dir,
+    dump_journal_path, relocated_path, siblings_writable,
 )
-from ..paths import JOURNAL_SUFFIX, relocated_path, siblings_writable
+from ..states import DUMP_RESTORE_FINAL
 
 RESTORE_KEYS = ("restore_id", "partition_id", "dump_dir", "state", "outcome", "reason", "keys",
                 "rows", "bytes", "created_at", "finished_at")
 PUBLICATION_KEYS = ("dump_dir", "attempt_id", "kind", "dump_id", "phase", "error", "created_at",
                     "updated_at")
 _NO_WRAP = {"restore_id", "attempt_id", "dump_id", "state", "phase", "id"}
-_DUMP_FINAL = ("committed", "aborted", "cancelled", "failed")
 
 
 def _version() -> str:
@@ -100,6 +101,7 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
                 "incarnations": j.list_incarnations(limit),
                 "dumps": dumps,
                 "recovery_events": j.list_recovery_events(limit),
+                "buffer": buffer_summary(j.engine),
             }
             dirs = dict.fromkeys([d["dump_dir"] for d in dumps] + [r["dump_dir"] for r in restores])
         for d in dirs:
@@ -108,7 +110,7 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
     with DumpJournal(target, path=path) as j:
         restores = []
         for r in j.list_restores(state=state, restore_id=restore_id, limit=limit):
-            final = r["state"] in _DUMP_FINAL
+            final = r["state"] in DUMP_RESTORE_FINAL
             restores.append({
                 "restore_id": r["restore_id"], "partition_id": r["partition_id"],
                 "dump_dir": str(target), "state": r["state"],
@@ -154,6 +156,8 @@ def _sections(report: dict) -> list[tuple[str, list[dict], list[str]]]:
         out.append(("recovery events", report["recovery_events"], ["id", "incarnation_id", "at",
                                                                    "kind", "target", "action",
                                                                    "detail"]))
+        out.append(("buffer (journaled metadata)", report.get("buffer") or [],
+                    ["partition_id", "keys", "lost_rows"]))
     return out
 
 
@@ -247,8 +251,8 @@ def _echo_actions(actions: list[dict], as_json: bool, extra: dict) -> None:
 @_json_opt
 def recover(dump_dir, state_dir, as_json) -> None:
     """Run crash recovery by hand (the controller does this at startup)."""
-    from ..dump.publish import dump_lock
-    from .recovery import recover_controller_journal, recover_publications
+    from ..controller.startup import recover_controller_journal
+    from ..publish import dump_lock, recover_publications
 
     kind, target, path = _target(dump_dir, state_dir)
     if kind == DUMP:
@@ -272,7 +276,7 @@ def recover(dump_dir, state_dir, as_json) -> None:
             inc = j.start_incarnation(pid=os.getpid(), host=socket.gethostname(),
                                       address="cli", version=_version())
             try:
-                actions = recover_controller_journal(j, incarnation_id=inc)
+                actions = recover_controller_journal(j, incarnation_id=inc, keep_committing=True)
             finally:
                 j.end_incarnation(inc)
     finally:

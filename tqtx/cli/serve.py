@@ -1,0 +1,81 @@
+"""``tqtx serve``, ``tqtx controller``, ``tqtx unit``: run the server processes."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+
+@click.command()
+@click.option("--units", "num_units", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--port", type=int, default=0, help="Controller port (0 = any free port).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--state-dir", default=None, help="Controller state dir (journal, logs).")
+@click.option("--insecure", is_flag=True, help="Allow binding a non-loopback host without keys.")
+def serve(num_units, port, host, state_dir, insecure):
+    """Run a whole deployment (controller + units) in the foreground."""
+    import signal
+    import threading
+
+    from ..deploy import LocalDeployment
+    from ..paths import default_state_dir
+    env = {"TQTX_INSECURE": "1"} if insecure else {}
+    stop = threading.Event()
+    # handlers first: a SIGTERM right after the announcement must still stop gracefully
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    dep = LocalDeployment(num_units=num_units, state_dir=state_dir or str(default_state_dir()),
+                          host=host, port=port, env=env)
+    click.echo(json.dumps({"address": dep.address, "num_units": num_units,
+                           "state_dir": dep.state_dir, "pids": dep.pids}))
+    sys.stdout.flush()
+    click.echo(f"tqtx serving at {dep.address}; attach with TQTX_ADDRESS={dep.address}",
+               err=True)
+    while not stop.wait(0.5):
+        for name, proc in dep.procs.items():
+            if proc.poll() is not None:
+                click.echo(f"{name} exited with code {proc.returncode}; stopping", err=True)
+                stop.set()
+    dep.stop()
+
+
+@click.command()
+@click.option("--units", "num_units", type=click.IntRange(min=1), required=True)
+@click.option("--port", type=int, default=0)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--state-dir", default=None)
+@click.option("--insecure", is_flag=True)
+def controller(num_units, port, host, state_dir, insecure):
+    """Run only the controller (units join with `tqtx unit`)."""
+    from ..controller.__main__ import main as run
+    from ..paths import default_state_dir
+    if insecure:
+        os.environ["TQTX_INSECURE"] = "1"
+    sys.exit(run(["--units", str(num_units), "--port", str(port), "--host", host,
+                  "--state-dir", state_dir or str(default_state_dir())]))
+
+
+@click.command()
+@click.option("--controller", "controller_address", required=True, help="tcp://host:port")
+@click.option("--unit-id", type=int, required=True)
+@click.option("--port", type=int, default=0)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind and announce (this host's address on the controller's network).")
+@click.option("--keys-dir", default=None,
+              help="The deployment's key dir (a copy of <state-dir>/keys); default $TQTX_KEYS_DIR.")
+@click.option("--node", default=None,
+              help="Node name reported by `tqtx stats` and in errors (default: the hostname).")
+@click.option("--insecure", is_flag=True)
+def unit(controller_address, unit_id, port, host, keys_dir, node, insecure):
+    """Run one storage unit that registers with a controller (see docs/deployment.md)."""
+    from ..storage.__main__ import main as run
+    if insecure:
+        os.environ["TQTX_INSECURE"] = "1"
+    if keys_dir:
+        os.environ["TQTX_KEYS_DIR"] = os.path.abspath(keys_dir)
+    if node:
+        os.environ["TQTX_NODE"] = node
+    sys.exit(run(["--controller", controller_address, "--unit-id", str(unit_id), "--port",
+                  str(port), "--host", host]))

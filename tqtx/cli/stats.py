@@ -1,0 +1,34 @@
+"""``tqtx stats``: per-process statistics of a running deployment."""
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+
+@click.command()
+@click.option("--address", default=None, help="Controller address (default $TQTX_ADDRESS).")
+@click.option("--keys-dir", default=None,
+              help="Key dir of a CURVE deployment (default $TQTX_KEYS_DIR).")
+@click.option("--json", "as_json", is_flag=True)
+def stats(address, keys_dir, as_json):
+    """Per-process statistics: uptime, rows, bytes, open restores, requests by type.
+
+    ``--json`` prints one object ``{"controller": {...}, "units": [...], "client": {...}}``
+    (see docs/operations.md)."""
+    from ..client import Client
+    address = address or os.environ.get("TQTX_ADDRESS")
+    if not address:
+        raise click.UsageError("give --address or set TQTX_ADDRESS")
+    from ..security import attach_curve
+    client = Client(address, timeout=30, curve=attach_curve(address, keys_dir=keys_dir))
+    try:
+        data = client.stats()
+    finally:
+        client.close()
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+        return
+    from ..metrics import render_stats
+    render_stats(data)

@@ -1,0 +1,226 @@
+"""The controller's KV requests: ALLOC, COMMIT_PUT, LOOKUP, LIST, CLEAR, DESCRIBE, checkpoints.
+
+Each request that changes metadata builds its :class:`~tqtx.journal.meta.MetaChange` first,
+writes it to the journal (:meth:`KVRequests._journal_meta`), then changes memory and replies:
+a reply that says "done" always follows a committed journal transaction, and a failed write
+leaves memory as it was.
+
+:class:`KVRequests` is mixed into :class:`tqtx.controller.server.Controller`.
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import faults
+from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, \
+    SchemaConflictError
+from ..journal.meta import CHECKPOINT_LOAD, MetaChange
+from ..wire.peer import call_many
+from ..schema import check_schema_compatible
+
+log = logging.getLogger("tqtx.controller")
+
+# Fault points around every metadata write: controller.meta.<op>.<stage>
+META_OPS = ("commit_put", "clear", "checkpoint_replace", "restore_publish", "unit_lost",
+            "end_buffer")
+META_STAGES = ("before_commit", "after_commit", "before_reply")
+
+
+class KVRequests:
+    """Request handlers for keys and their metadata (no payload)."""
+
+    def _journal_meta(self, op: str, change: MetaChange) -> None:
+        """Write ``change`` (one transaction) with the ``controller.meta.<op>.*`` points."""
+        faults.hit(f"controller.meta.{op}.before_commit")
+        self.metajournal.write(change)
+        faults.hit(f"controller.meta.{op}.after_commit")
+
+    def alloc(self, body, req):
+        """Resolve keys to indexes after validating schemas; new keys become pending (not
+        visible until COMMIT_PUT)."""
+        pid, keys, schemas = body["partition_id"], body["keys"], body.get("schemas") or {}
+        self._require_units("ALLOC")
+        part = self.meta.partition(pid)
+        self.meta.validate_schemas(part, schemas)
+        plan = self._unresolved_in(pid)
+        if plan is not None and (part is None or any(
+                k not in part.keys and k not in part.pending for k in keys)):
+            raise self._pending_error(plan, f"creating keys in partition {pid!r}")
+        indexes, fresh = self.meta.alloc(pid, keys, schemas)
+        return {"indexes": indexes, "fresh": fresh, "topology": self.topology_incarnation}
+
+    def commit_put(self, body, req):
+        """Publish the fields (and merge the tags) of rows the units now hold.
+
+        The fields' schemas were validated and merged by ALLOC, before any unit wrote.
+        """
+        pid = body["partition_id"]
+        change, updates, common = self.meta.plan_commit(
+            pid, body["keys"], body.get("fields") or [], body.get("tags"))
+        self._journal_meta("commit_put", change)
+        self.meta.apply_commit(pid, updates)
+        faults.hit("controller.meta.commit_put.before_reply")
+        return {"fields": common}
+
+    def lookup(self, body, req):
+        """Indexes, fields and schemas of ``keys``. With ``lenient`` (TransferQueue's
+        results): unknown keys and fields not produced for every key are left out. Lost rows
+        raise RowsLostError either way."""
+        pid, keys, select = body["partition_id"], body["keys"], body.get("select_fields")
+        lenient = bool(body.get("lenient"))
+        if self.checkpoint_load:  # units still switching to a checkpoint: rows not final yet
+            self._require_units("LOOKUP")
+        part = self.meta.partition(pid)
+        if part is None or (lenient and not any(k in part.keys for k in keys)):
+            raise KeysNotFoundError(keys, pid)
+        if lenient:
+            keys = [k for k in keys if k in part.keys]
+            if select is not None:
+                select = [f for f in select
+                          if all(f in part.fields.get(part.keys[k], ()) for k in keys)]
+        indexes = part.indexes_of(keys)
+        part.check_readable(keys, indexes)
+        if select is None:
+            common = None
+            for idx in indexes:
+                f = part.fields.get(idx, set())
+                common = set(f) if common is None else common & f
+            fields = sorted(common or ())
+            fields = [f for f in part.schema if f in set(fields)]
+        else:
+            fields = list(select)
+            for f in fields:
+                lacking = [k for k, i in zip(keys, indexes) if f not in part.fields.get(i, ())]
+                if lacking:
+                    shown = ", ".join(repr(k) for k in lacking[:10])
+                    raise FieldsNotFoundError(
+                        f"select_fields: field {f!r} not found: it was not produced for keys "
+                        f"{shown} in partition {pid!r}")
+        return {"indexes": indexes, "fields": fields, "keys": keys,
+                "schemas": {f: part.schema[f] for f in fields}, "num_units": self.num_units,
+                "topology": self.topology_incarnation}
+
+    def list_keys(self, body, req):
+        """Visible keys (lost ones included) with their tags, per partition."""
+        pid = body.get("partition_id")
+        parts = self.meta.visible()
+        if pid is not None:
+            parts = [p for p in parts if p.pid == pid]
+        return {p.pid: {k: p.tags.get(k, {}) for k in p.keys} for p in parts}
+
+    def clear(self, body, req):
+        pid = body["partition_id"]
+        plan = self._unresolved_in(pid)
+        if plan is not None:
+            raise self._pending_error(plan, f"clearing partition {pid!r}")
+        part = self.meta.partition(pid)
+        if part is None:
+            return {"freed": []}
+        change, gone = self.meta.plan_clear(part, body["keys"])
+        if gone:
+            self._journal_meta("clear", change)
+        freed = self.meta.apply_clear(part, gone)
+        faults.hit("controller.meta.clear.before_reply")
+        return {"freed": freed}
+
+    # ---------------------------------------------------------------- dump
+    def describe_rows(self, body, req):
+        """Per key (in request order): global index, produced fields and tag, plus the
+        fields' schemas. No payload. Columnar: ``fields_of[i]`` indexes ``field_sets``."""
+        pid, keys = body["partition_id"], body["keys"]
+        part = self.meta.partition(pid)
+        if part is None or not part.keys:
+            if not keys:
+                return {"indexes": [], "field_sets": [], "fields_of": [], "tags": [],
+                        "field_schema": {}, "num_units": self.num_units,
+                        "topology": self.topology_incarnation}
+            raise PartitionNotFoundError(f"partition {pid!r} does not exist (not found)")
+        indexes = part.indexes_of(keys)
+        part.check_readable(keys, indexes)  # a dump must not promise rows no unit holds
+        set_ids: dict[frozenset, int] = {}
+        field_sets: list[list[str]] = []
+        fields_of = []
+        produced = part.fields
+        for idx in indexes:
+            fs = frozenset(produced.get(idx, ()))
+            sid = set_ids.get(fs)
+            if sid is None:
+                sid = set_ids[fs] = len(field_sets)
+                field_sets.append(sorted(fs))
+            fields_of.append(sid)
+        used = sorted(set().union(*field_sets)) if field_sets else []
+        tags = part.tags
+        return {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
+                "tags": [tags.get(k) or {} for k in keys],
+                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
+                "topology": self.topology_incarnation}
+
+    def record_dump(self, body, req):
+        self.journal.record_dump(incarnation_id=self.incarnation, **body)
+        log.info("dump %s: recorded (%s keys, %s bytes, %s shards) for partition %r at %s",
+                 body.get("dump_id"), body.get("keys"), body.get("bytes"), body.get("shards"),
+                 body.get("partition_id"), body.get("dump_dir"))
+        return {"ok": True}
+
+    def validate_dump_schema(self, body, req):
+        part = self.meta.partition(body["partition_id"])
+        if part is not None:
+            for field, schema in body["field_schema"].items():
+                old = part.schema.get(field)
+                if old is not None:
+                    try:
+                        check_schema_compatible(field, old, schema)
+                    except SchemaConflictError as exc:
+                        raise SchemaConflictError(f"dump is incompatible with partition "
+                                                  f"{body['partition_id']!r}: {exc}") from None
+        return {"ok": True}
+
+    # ---------------------------------------------------------------- checkpoint
+    def _refuse_if_restoring(self, what: str) -> None:
+        for plan in self.restores.values():
+            raise self._pending_error(plan, what)
+
+    def checkpoint_snapshot(self, body, req):
+        self._refuse_if_restoring("save_checkpoint")
+        return {"metadata": self.meta.snapshot(), "num_units": self.num_units}
+
+    def checkpoint_replace(self, body, req):
+        """Replace all metadata with a checkpoint's; with ``load_id`` (the units staged that
+        checkpoint) also switch the units to it.
+
+        The journaled metadata, with a ``checkpoint_load`` marker, is the decision; then the
+        units switch (APPLY_CHECKPOINT) and the marker goes. A controller restarted in
+        between finds the marker and rolls the switch forward as units re-register
+        (:meth:`Controller._checkpoint_register`)."""
+        self._refuse_if_restoring("load_checkpoint")
+        self._require_units("load_checkpoint")
+        snap, load_id = body["metadata"], body.get("load_id")
+        change = self.meta.plan_replace(snap)
+        if load_id:
+            change.markers = {CHECKPOINT_LOAD: load_id}
+        self._journal_meta("checkpoint_replace", change)
+        self.meta.replace(snap)
+        if load_id:
+            self.checkpoint_load = load_id
+            self._switch_units(load_id)
+        faults.hit("controller.meta.checkpoint_replace.before_reply")
+        return {"ok": True}
+
+    def _switch_units(self, load_id: str) -> None:
+        """APPLY_CHECKPOINT on every unit; the marker goes once all have switched."""
+        uids = [u for u in range(self.num_units) if u in self.unit_peers]
+        results = call_many([(self.unit_peers[u], "APPLY_CHECKPOINT", {"load_id": load_id})
+                             for u in uids], raise_first=False, timeout=60)
+        failed = {u: r for u, r in zip(uids, results) if isinstance(r, BaseException)}
+        failed.update({u: "not registered" for u in range(self.num_units)
+                       if u not in self.unit_peers})
+        if failed:
+            raise RuntimeError(
+                "load_checkpoint: the checkpoint's metadata is in place but unit(s) "
+                f"{sorted(failed)} did not switch to its rows ({next(iter(failed.values()))}); "
+                "their rows are named lost (RowsLostError) when they re-register")
+        self._checkpoint_switched()
+
+    def _checkpoint_switched(self) -> None:
+        self._journal_meta("checkpoint_replace", MetaChange(markers={CHECKPOINT_LOAD: None}))
+        self.checkpoint_load = None

@@ -1,0 +1,120 @@
+"""What a controller does at startup, before it serves: settle what an earlier one left.
+
+1. The buffer's metadata is replayed from the journal (:class:`~tqtx.journal.meta.MetaJournal`).
+2. Restores an earlier incarnation left open are settled (:func:`recover_controller_journal`):
+   ``active`` ones end as ``aborted`` (their dump journal rows and publications settled first);
+   ``committing`` ones with a stored plan are rebuilt, their new indexes reserved again, and
+   rolled forward by the next FINISH_RESTORE (``recover_data_load``) once units re-register.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from .. import states as st
+from ..publish import dump_lock, recover_publications
+from ..errors import DumpFormatError
+from ..journal.store import ControllerJournal, DumpJournal
+from ..paths import find_dump_journal
+from .restores import RestorePlan
+
+log = logging.getLogger("tqtx.controller")
+
+
+def replay(ctl) -> list[dict]:
+    """Load controller ``ctl``'s metadata and open restores from its journal; returns the
+    recovery actions taken (also journaled as recovery events)."""
+    t0 = time.perf_counter()
+    snap = ctl.metajournal.load()
+    ctl.meta.replace(snap)
+    ctl.checkpoint_load = (snap.get("markers") or {}).get("checkpoint_load")
+    keys = sum(len(p["rows"]) for p in snap["partitions"].values())
+    if keys:
+        log.warning("startup: replayed %d keys in %d partitions (%d lost rows) from the journal "
+                    "in %.2fs; waiting for the units to re-register", keys,
+                    len(snap["partitions"]), ctl.meta.lost_rows(), time.perf_counter() - t0)
+    actions = recover_controller_journal(ctl.journal, incarnation_id=ctl.incarnation,
+                                         keep_committing=ctl.metajournal.enabled)
+    reserved = set()
+    for rec in ctl.journal.unresolved_restores():
+        data = ctl.journal.restore_plan(rec["restore_id"])
+        if rec["state"] != st.COMMITTING or not data:
+            continue
+        plan = RestorePlan.decode(data)
+        ctl.restores[plan.restore_id] = plan
+        for idx in plan.new_indexes:
+            ctl.meta.reserved[idx] = plan.restore_id
+            reserved.add(idx)
+        ctl.meta.next_index = max([ctl.meta.next_index, *(i + 1 for i in plan.new_indexes)])
+    if reserved:
+        ctl.meta.free = [i for i in ctl.meta.free if i not in reserved]
+        heapq.heapify(ctl.meta.free)
+    for event in actions:
+        log.warning("startup recovery: %s %s: %s %s", event.get("kind"), event.get("target"),
+                    event.get("action"), event.get("detail", ""))
+    return actions
+
+
+def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: int,
+                               keep_committing: bool = False) -> list[dict]:
+    """Finish every restore a previous incarnation left non-final as ``aborted``, except,
+    with ``keep_committing``, a ``committing`` one whose plan was stored with its decision:
+    that one stays open (its dump journal row too) to be rolled forward.
+
+    Non-final claims become ``dropped`` (done by ``finish_restore``). Before that, for each
+    such restore whose dump journal exists (beside the dump, or in this controller's state dir
+    for a read-only dump), the dump journal's restore row is marked
+    ``aborted`` and the dump's unfinished publications are settled, under the dump lock
+    (a failure there is recorded as ``dump-recovery-failed`` and does not stop the replay). Every action is
+    journaled with ``record_recovery`` and returned as ``{kind, target, action, detail}``.
+    Must not be called while holding a dump lock of one of these dumps.
+    """
+    actions: list[dict] = []
+
+    def act(kind: str, target: str, action: str, detail: str) -> None:
+        journal.record_recovery(incarnation_id=incarnation_id, kind=kind, target=target,
+                                action=action, detail=detail)
+        actions.append({"kind": kind, "target": target, "action": action, "detail": detail})
+
+    dumps_done: set[str] = set()
+    for r in journal.unresolved_restores():
+        if r["incarnation_id"] == incarnation_id:
+            continue
+        rid, dump_dir = r["restore_id"], r["dump_dir"]
+        if keep_committing and r["state"] == st.COMMITTING and journal.restore_plan(rid):
+            act("restore", rid, "kept-committing",
+                f"commit decided under incarnation {r['incarnation_id']}; rolled forward by "
+                f"recover_data_load({dump_dir!r})")
+            continue
+        # The dump side goes first: if we crash in between, the controller row is still
+        # non-final and the next replay redoes both sides (each is idempotent).
+        try:
+            dj_path = find_dump_journal(dump_dir, journal.state_dir)
+        except OSError as exc:
+            dj_path = None
+            act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
+        if dj_path is not None:
+            try:
+                with dump_lock(dump_dir, state_dir=journal.state_dir), \
+                        DumpJournal(dump_dir, path=dj_path) as dj:
+                    row = dj.get_restore(rid)
+                    if row is not None and row["state"] == st.READING:
+                        dj.finish_restore(rid, st.ABORTED)
+                        act("restore", rid, "dump-journal-aborted", f"dump {dump_dir}")
+                    if dump_dir not in dumps_done:
+                        dumps_done.add(dump_dir)
+                        for a in recover_publications(dump_dir, dj):
+                            act(a["kind"], a["target"], a["action"], a["detail"])
+            except (OSError, SQLAlchemyError, DumpFormatError) as exc:
+                # An unreachable dump (unmounted, permissions) must not stop the controller
+                # from starting; the dump is recovered by the next writer or by hand.
+                act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
+        live_units = [u["unit_id"] for u in r["units"] if u["state"] not in st.UNIT_FINAL]
+        journal.abort_after_restart(rid)
+        act("restore", rid, "aborted",
+            f"was {r['state']} under incarnation {r['incarnation_id']}; "
+            f"dropped units: {','.join(map(str, live_units)) or 'none'}")
+    return actions

@@ -1,0 +1,232 @@
+"""Records: one row of a dump shard as a self-contained byte string.
+
+A record is ``b"TQR1" + uint32_le(header_len) + header + payload`` where the header is
+``{"i": global_index, "f": {field: ["t", dtype, shape, rel_offset, nbytes] |
+["o", packed_object]}}`` (msgpack; objects are :func:`tqtx.wire.codec.packb` bytes) and
+tensor payloads follow the header. A record's crc32 is a CRC-32C (Castagnoli) of all its bytes.
+"""
+from __future__ import annotations
+
+import struct
+
+import msgpack
+from crc32c import crc32c as checksum  # CRC-32C (Castagnoli), hardware-accelerated
+
+from tqtx.errors import DumpFormatError, DumpNotFoundError
+from tqtx.wire import codec
+from tqtx.wire.values import DTYPE_SIZES, RawTensor
+
+__all__ = ["PREFIX_SIZE", "RECORD_MAGIC", "checksum", "decode_record", "encode_record",
+           "encode_record_parts", "file_error", "is_int"]
+
+RECORD_MAGIC = b"TQR1"
+_PREFIX = struct.Struct("<4sI")
+PREFIX_SIZE = _PREFIX.size  # 8: magic + header length
+
+# Tensor payloads up to this size are copied next to the header (one iovec per record
+# instead of one per field); larger ones are handed to writev as they are.
+_SMALL_PAYLOAD = 4096
+
+_tensor_of = RawTensor.of  # skips RawTensor.__init__'s shape conversion for checked headers
+
+
+def is_int(x) -> bool:
+    """An int that is not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def file_error(file, msg: str, *, global_index=None, key=None,
+               missing=False) -> DumpFormatError:
+    """A DumpFormatError whose message starts with ``file``; details kept as attributes.
+    ``missing``: a DumpNotFoundError (also a FileNotFoundError) naming ``file``."""
+    exc = DumpNotFoundError(f"{file}: {msg}", file) if missing else DumpFormatError(f"{file}: {msg}")
+    exc.file = str(file)
+    exc.global_index = global_index
+    exc.key = key
+    return exc
+
+
+def _payload(tensor: RawTensor, gidx, name):
+    """``(buffer, nbytes)`` of exactly the tensor's bytes; bytes or a 1-D byte memoryview."""
+    size = DTYPE_SIZES.get(tensor.dtype)
+    if size is None:
+        raise ValueError(f"global index {gidx}, field {name!r}: unknown dtype {tensor.dtype!r}")
+    expected = size
+    for s in tensor.shape:
+        if s < 0:
+            raise ValueError(f"global index {gidx}, field {name!r}: negative dimension in "
+                             f"shape {list(tensor.shape)}")
+        expected *= s
+    data = tensor.data
+    if type(data) is bytes:
+        n = len(data)
+    else:
+        data = memoryview(data)
+        if not data.c_contiguous:
+            data = memoryview(data.tobytes())
+        if data.ndim != 1 or data.format != "B":
+            data = data.cast("B")
+        n = data.nbytes
+    if n != expected:
+        raise ValueError(
+            f"global index {gidx}, field {name!r}: {n} bytes for dtype {tensor.dtype} "
+            f"shape {list(tensor.shape)} (expected {expected})")
+    return data, n
+
+
+def encode_record_parts(gidx: int, row: dict) -> tuple[bytes, list, int]:
+    """Encode one row as ``(head, large_payloads, length)`` without a checksum.
+
+    ``head`` is prefix, header and small payloads joined; ``large_payloads`` are the row's
+    own buffers. Raises ValueError/TypeError for values that cannot be stored.
+    """
+    if type(gidx) is not int:
+        if not is_int(gidx):
+            raise TypeError(f"global index must be an int, not {type(gidx).__name__}")
+        gidx = int(gidx)
+    fields: dict = {}
+    tensors = []
+    small_total = 0
+    for name, value in row.items():
+        if type(name) is not str:
+            raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
+        if isinstance(value, RawTensor):
+            buf, n = _payload(value, gidx, name)
+            tensors.append((name, value, buf, n))
+            if n <= _SMALL_PAYLOAD:
+                small_total += n
+            fields[name] = None  # keeps the row's field order
+        else:
+            fields[name] = ["o", codec.packb(value)]
+    # Small payloads go first, joined with the header; large ones follow as their own iovecs.
+    small_parts = []
+    large = []
+    small_off, large_off = 0, small_total
+    for name, value, buf, n in tensors:
+        if n <= _SMALL_PAYLOAD:
+            fields[name] = ["t", value.dtype, list(value.shape), small_off, n]
+            small_off += n
+            if n:
+                small_parts.append(buf)
+        else:
+            fields[name] = ["t", value.dtype, list(value.shape), large_off, n]
+            large_off += n
+            large.append(buf)
+    header = msgpack.packb({"i": gidx, "f": fields}, use_bin_type=True)
+    if len(header) > 0xFFFFFFFF:
+        raise ValueError(f"global index {gidx}: record header too large ({len(header)} bytes)")
+    prefix = _PREFIX.pack(RECORD_MAGIC, len(header))
+    head = b"".join([prefix, header, *small_parts]) if small_parts else prefix + header
+    return head, large, len(head) + large_off - small_total
+
+
+def encode_record(gidx: int, row: dict) -> tuple[list, int, int]:
+    """Encode one row as a record: ``(buffers, length, crc32)``.
+
+    ``buffers`` concatenated form the record; large tensor payloads are the row's own
+    buffers (only the bytes of each tensor, never the larger buffer they may slice).
+    Raises ValueError/TypeError for values that cannot be stored.
+    """
+    head, large, length = encode_record_parts(gidx, row)
+    crc = checksum(head)
+    for buf in large:
+        crc = checksum(buf, crc)
+    return [head, *large], length, crc
+
+
+def _bad(where, msg):
+    return DumpFormatError(f"{where}: {msg}")
+
+
+def _header_fields(specs: dict, where) -> tuple[dict, list]:
+    """Objects decoded and tensor entries checked: ``(row, ranges)``, where ``row`` has
+    every field in header order (tensors still None) and ``ranges`` lists
+    ``(offset, nbytes, name, dtype, shape)`` per tensor."""
+    row: dict = {}
+    ranges = []
+    for name, spec in specs.items():
+        if type(name) is not str or type(spec) is not list or not spec:
+            raise _bad(where, f"malformed entry for field {name!r}")
+        kind = spec[0]
+        if kind == "t":
+            if len(spec) != 5:
+                raise _bad(where, f"malformed tensor entry for field {name!r}")
+            _, dtype, shape, off, n = spec
+            size = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+            if size is None:
+                raise _bad(where, f"field {name!r} has unknown dtype {dtype!r}")
+            if type(shape) is not list or type(off) is not int or type(n) is not int or off < 0:
+                raise _bad(where, f"malformed tensor entry for field {name!r}")
+            expected = size
+            for s in shape:
+                if type(s) is not int or s < 0:
+                    raise _bad(where, f"field {name!r} has invalid shape {shape!r}")
+                expected *= s
+            if n != expected:
+                raise _bad(where, f"field {name!r}: {n} bytes for dtype {dtype} shape {shape}")
+            ranges.append((off, n, name, dtype, shape))
+            row[name] = None  # keeps the header's field order
+        elif kind == "o":
+            if len(spec) != 2 or type(spec[1]) is not bytes:
+                raise _bad(where, f"malformed object entry for field {name!r}")
+            try:
+                row[name] = codec.unpack_stored(spec[1])
+            except codec.CodecError as exc:
+                raise _bad(where, f"field {name!r}: malformed value: {exc}") from None
+        else:
+            raise _bad(where, f"field {name!r} has unknown kind {kind!r}")
+    return row, ranges
+
+
+def _range_key(r):
+    return r[0], r[1]
+
+
+def decode_record(buf, *, expected_gidx: int | None = None,
+                  where: str = "record") -> tuple[int, dict]:
+    """Decode a record; tensor data are memoryview slices of ``buf`` (no copy).
+
+    Validates magic, header length and structure, that tensor payloads exactly tile the
+    payload, and the global index if ``expected_gidx`` is given. Does not check the crc.
+    Raises DumpFormatError naming ``where``.
+    """
+    view = memoryview(buf)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    total = view.nbytes
+    if total < PREFIX_SIZE:
+        raise _bad(where, f"record of {total} bytes is shorter than its prefix")
+    magic, hlen = _PREFIX.unpack_from(view, 0)
+    if magic != RECORD_MAGIC:
+        raise _bad(where, f"bad record magic {magic!r} (expected {RECORD_MAGIC!r})")
+    start = PREFIX_SIZE + hlen
+    if start > total:
+        raise _bad(where, f"header length {hlen} exceeds the record ({total} bytes)")
+    try:
+        header = codec.unpack_stored(view[PREFIX_SIZE:start])
+    except codec.CodecError as exc:
+        raise _bad(where, f"malformed record header: {exc}") from None
+    if type(header) is not dict or len(header) != 2 or "i" not in header or "f" not in header:
+        raise _bad(where, "malformed record header (expected keys 'i' and 'f')")
+    gidx, specs = header["i"], header["f"]
+    if type(gidx) is not int:
+        raise _bad(where, f"record global index is not an int: {gidx!r}")
+    if expected_gidx is not None and gidx != expected_gidx:
+        raise _bad(where, f"record holds global index {gidx}, expected {expected_gidx}")
+    if type(specs) is not dict:
+        raise _bad(where, "malformed record header (field table is not a map)")
+    row, ranges = _header_fields(specs, where)
+    payload = total - start
+    pos = 0
+    if ranges:
+        ranges.sort(key=_range_key)
+        for off, n, name, dtype, shape in ranges:
+            if off != pos:
+                raise _bad(where, f"field {name!r} payload at {off} overlaps or leaves a gap "
+                                  f"(expected {pos})")
+            pos += n
+            row[name] = _tensor_of(dtype, tuple(shape), view[start + off:start + pos])
+    if pos != payload:
+        raise _bad(where, f"record length mismatch: header describes {pos} payload bytes, "
+                          f"record has {payload}")
+    return gidx, row

@@ -1,0 +1,194 @@
+"""Shard files: append-only files of concatenated records, written with writev and read
+back with pread. ``shards/unit-<k>.bin`` holds unit ``k``'s records."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tqtx import faults, fsutil
+from tqtx.errors import DumpFormatError
+
+from .records import checksum, decode_record, encode_record_parts, file_error
+
+SHARDS_DIR = "shards"
+
+# Records are handed to writev in batches of about this many bytes (so a long stream of
+# rows does not keep every source buffer alive); batches of at least _ASYNC_MIN_BYTES are
+# written by a helper thread while the next one is checksummed.
+_BATCH_BYTES = 8 << 20
+_ASYNC_MIN_BYTES = 1 << 20
+
+
+def shard_file_name(unit) -> str:
+    """Relative path of the shard holding unit ``unit``'s records."""
+    return f"{SHARDS_DIR}/unit-{unit}.bin"
+
+
+def shard_index_name(unit) -> str:
+    """Relative path of the index of unit ``unit``'s shard."""
+    return f"{SHARDS_DIR}/unit-{unit}.index"
+
+
+def by_offset(entry):
+    """Sort key of a ``[global_index, offset, length, crc32]`` entry: its offset."""
+    return entry[1]
+
+
+class ShardWriter:
+    """Append-only writer of one shard file (created exclusively).
+
+    ``entries`` lists ``[global_index, offset, length, crc32]`` per record written and
+    ``bytes_written`` the shard size so far. Usable as a context manager: a clean exit
+    closes (with fsync), an exception aborts (closes and removes the file).
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.fd: int | None = os.open(
+            self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | fsutil.O_CLOEXEC, 0o644)
+        self.entries: list[list[int]] = []
+        self.bytes_written = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def write_rows(self, rows: Iterable[tuple[int, dict]]) -> None:
+        """Append one record per ``(global_index, row)``, batched through os.writev.
+
+        Large batches are written by a helper thread while the next batch is encoded
+        and checksummed (both release the GIL), so crc32 and copying overlap.
+        """
+        if self.fd is None:
+            raise ValueError(f"{self.path}: shard writer is closed")
+        iov: list = []
+        pending: list[list[int]] = []
+        pending_bytes = 0
+        offset = self.bytes_written
+        inflight: Future | None = None
+        crc32 = checksum
+        iov_max = fsutil.IOV_MAX
+        try:
+            for gidx, row in rows:
+                head, large, length = encode_record_parts(gidx, row)
+                if iov and (len(iov) + 1 + len(large) > iov_max
+                            or pending_bytes >= _BATCH_BYTES):
+                    inflight = self._submit(inflight, iov, pending, pending_bytes)
+                    iov, pending, pending_bytes = [], [], 0
+                crc = crc32(head)
+                iov.append(head)
+                for buf in large:
+                    crc = crc32(buf, crc)
+                    iov.append(buf)
+                pending.append([gidx, offset, length, crc])
+                pending_bytes += length
+                offset += length
+            if iov:
+                inflight = self._submit(inflight, iov, pending, pending_bytes)
+            if inflight is not None:
+                inflight.result()
+        except BaseException:
+            if inflight is not None:
+                inflight.exception()  # wait: the file must not be written behind our back
+            self._close_fd()  # the file now ends at an unknown position
+            raise
+
+    def _submit(self, inflight, iov, pending, nbytes):
+        if inflight is not None:
+            inflight.result()
+        if nbytes < _ASYNC_MIN_BYTES:
+            self._flush(iov, pending, nbytes)
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tqtx-shard-writer")
+        return self._pool.submit(self._flush, iov, pending, nbytes)
+
+    def _flush(self, iov: list, pending: list, nbytes: int) -> None:
+        with fsutil.naming(self.path, "writing shard"):
+            fsutil.writev_all(self.fd, iov)
+        self.entries.extend(pending)
+        self.bytes_written += nbytes
+
+    def close(self, fsync: bool = True) -> list:
+        """Fsync (optionally) and close the shard; returns ``entries``."""
+        if self.fd is None:
+            return self.entries
+        try:
+            faults.hit("unit.dump.after_write")
+            if fsync:
+                with fsutil.naming(self.path, "fsync of shard"):
+                    os.fsync(self.fd)
+        finally:
+            self._close_fd()
+        if fsync:
+            fsutil.fsync_dir(self.path.parent)
+        return self.entries
+
+    def abort(self) -> None:
+        """Close without fsync and remove the partial shard file."""
+        self._close_fd()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _close_fd(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+def read_entry(fd: int, entry, verify: bool, label: str) -> tuple[int, dict]:
+    """Read and decode the record ``entry`` ([gidx, offset, length, crc32]) of open shard
+    ``fd``, checking its crc32 if ``verify``; errors name ``label`` and the record."""
+    gidx, offset, length, crc = entry
+    data = fsutil.pread_exact(fd, length, offset)
+    if len(data) != length:
+        raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
+                              f"length {length}): truncated shard: read {len(data)} bytes")
+    if verify and checksum(data) != crc:
+        raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
+                              f"length {length}): checksum (CRC-32C) mismatch ({checksum(data):#010x}, "
+                              f"index says {crc:#010x})")
+    try:
+        return decode_record(data, expected_gidx=gidx, where=label)
+    except DumpFormatError as exc:
+        # Build the detailed location only on failure (keeps the hot path cheap).
+        msg = str(exc)[len(label) + 2:]
+        raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
+                              f"length {length}): {msg}") from None
+
+
+def read_records(path, entries, *, batch: int = 128, verify: bool = True,
+                 where_prefix: str | None = None) -> Iterator[list[tuple[int, dict]]]:
+    """Read ``entries`` ([gidx, offset, length, crc32]) from a shard, ``batch`` at a time.
+
+    Yields lists of ``(global_index, row)`` with at most ``batch`` rows, each record read
+    (by offset order within its batch) into its own bytes object; checks crc32 if
+    ``verify``. Errors raise DumpFormatError naming the file and the global index.
+    """
+    if batch < 1:
+        raise ValueError("batch must be >= 1")
+    label = f"{where_prefix}: {path}" if where_prefix else str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | fsutil.O_CLOEXEC)
+    except FileNotFoundError:
+        raise file_error(label, "shard file is missing", missing=True) from None
+    try:
+        for start in range(0, len(entries), batch):
+            chunk = sorted(entries[start:start + batch], key=by_offset)
+            yield [read_entry(fd, e, verify, label) for e in chunk]
+    finally:
+        os.close(fd)

@@ -1,0 +1,129 @@
+"""Durable file I/O: fsync helpers, the fsynced small-file writer, writev / pread loops.
+
+Errors of calls on a descriptor name no file; :func:`naming` puts the path into them, so an
+ENOSPC or EIO says which file it hit. Torch-free, stdlib only.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+try:
+    IOV_MAX = max(16, int(os.sysconf("SC_IOV_MAX")))
+except (AttributeError, ValueError, OSError):
+    IOV_MAX = 1024
+
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+# Filesystems that cannot fsync a directory say so with these; any other error is real.
+_DIR_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+@contextmanager
+def naming(path, action: str):
+    """Re-raise an OSError that names no file (write, writev and fsync errors on a
+    descriptor) as the same errno naming ``path``, e.g. ``[Errno 28] No space left on
+    device (writing shard): '/d.tmp-1/shards/unit-0.bin'``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, f"{exc.strerror} ({action})", os.fspath(path)) from exc
+
+
+def fsync_dir(path) -> None:
+    """fsync a directory so creations and renames inside it are durable.
+
+    Only "not supported on this filesystem" is tolerated; EIO, ENOSPC and the rest raise,
+    and an fsync error is never retried into success.
+    """
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise OSError(exc.errno, f"{exc.strerror} (fsync of directory)",
+                          os.fspath(path)) from exc
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """fsync one regular file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> int:
+    """One bottom-up pass: fsync every file, then its directory. Returns total file bytes."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                fsync_file(p)
+                total += os.path.getsize(p)
+        fsync_dir(dirpath)
+    return total
+
+
+def write_file_synced(path: Path, data: bytes) -> None:
+    """Create or truncate ``path``, write ``data`` and fsync it (not its directory).
+
+    Not atomic by itself: callers that need that write a temp file and rename it.
+    """
+    fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | O_CLOEXEC, 0o644)
+    try:
+        with naming(path, "writing file"):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        with naming(path, "fsync of file"):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def writev_all(fd: int, bufs: list) -> None:
+    """Write every buffer of ``bufs`` (bytes or 1-D byte memoryviews) in order.
+
+    At most :data:`IOV_MAX` buffers go to one writev; ``bufs`` is modified on a partial write.
+    """
+    i, n = 0, len(bufs)
+    while i < n:
+        chunk = bufs[i:i + IOV_MAX]
+        written = os.writev(fd, chunk)
+        if written == sum(map(len, chunk)):
+            i += len(chunk)
+            continue
+        if written <= 0:
+            raise OSError(errno.EIO, f"writev wrote {written} bytes")
+        for j, b in enumerate(chunk):  # partial write: resume inside buffer i + j
+            if written < len(b):
+                i += j
+                bufs[i] = memoryview(b)[written:]
+                break
+            written -= len(b)
+
+
+def pread_exact(fd: int, length: int, offset: int):
+    """Read ``length`` bytes at ``offset``; returns fewer only at end of file."""
+    data = os.pread(fd, length, offset)
+    if len(data) == length or not data:
+        return data
+    buf = bytearray(length)
+    view = memoryview(buf)
+    got = len(data)
+    view[:got] = data
+    while got < length:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            return bytes(view[:got])
+        got += n
+    return buf

@@ -1,0 +1,184 @@
+"""REGISTER_UNIT and re-attach: a unit reports what it holds to (a restarted) controller.
+
+Mixed into :class:`tqtx.storage.unit.StorageUnit` (uses its server, rows, staging,
+lock, drop_rows and drop_staged). The held report is built from a snapshot of the rows;
+the controller answers which of them it does not know (``drop``) and which staged
+restores it does not hold open (``drop_staged``). Only the request loop writes
+``self.rows``, so the drop runs there (:meth:`Server.call_soon`), sparing every index a
+put or apply wrote after the snapshot. A heartbeat thread PINGs the controller and
+registers again when the reply names a new incarnation. See docs/reliability.md.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .. import faults
+from ..wire.peer import Peer
+
+log = logging.getLogger("tqtx.unit")
+
+
+def heartbeat_period() -> float:
+    """Seconds between a unit's PINGs to its controller (``TQTX_UNIT_HEARTBEAT``, default 1;
+    0 or less: no heartbeat)."""
+    return float(os.environ.get("TQTX_UNIT_HEARTBEAT", "1.0"))
+
+
+def held_report(rows: dict[int, dict]) -> dict:
+    """``{"indexes", "field_sets", "fields_of"}`` of a rows snapshot; field sets sorted."""
+    by_order: dict[tuple, int] = {}   # a row's field names in insertion order -> set id
+    by_set: dict[tuple, int] = {}     # sorted field names -> set id
+    indexes, fields_of = [], []
+    for idx, row in rows.items():
+        order = tuple(row)
+        sid = by_order.get(order)
+        if sid is None:
+            sid = by_order[order] = by_set.setdefault(tuple(sorted(order)), len(by_set))
+        indexes.append(idx)
+        fields_of.append(sid)
+    return {"indexes": indexes, "field_sets": [list(s) for s in by_set], "fields_of": fields_of}
+
+
+class UnitAttach:
+    """Unit side of REGISTER_UNIT: the held report, applying the reply, the heartbeat."""
+
+    def _init_attach(self) -> None:
+        self.incarnation: int | None = None  # the controller incarnation registered with
+        # one set per registration in flight: indexes written since its snapshot
+        self.write_watch: list[set] = []  # replaced, never changed in place: the loop reads it
+        self._watch_lock = threading.Lock()
+        self.attach_stop = threading.Event()
+        self._register_lock = threading.Lock()
+
+    def _note_writes(self, *indexes) -> None:
+        """Called by the request loop after a put or apply while a registration is in flight."""
+        for watch in self.write_watch:
+            for part in indexes:
+                watch.update(part)
+
+    def register(self, timeout: float = 60.0, peer: Peer | None = None) -> dict:
+        """Send REGISTER_UNIT with a fresh held report; apply the reply's drops on the loop.
+
+        Returns the reply. The drops are queued to the request loop (they run before it
+        reads its next request, or on its first turn when it has not started yet)."""
+        own = peer is None
+        peer = self.controller() if own else peer
+        try:
+            with self._register_lock:
+                return self._register(peer, timeout)
+        finally:
+            if own:
+                peer.close()
+
+    def _register(self, peer: Peer, timeout: float) -> dict:
+        written: set = set()
+        # Watch first, then copy: a write the copy misses is always in the watch. The
+        # copy is one C-level dict copy under the GIL, so it never sees a half-done
+        # insert; row dicts are never changed once stored (puts copy on write), so
+        # reading their field names off the loop is safe.
+        with self._watch_lock:
+            self.write_watch = [*self.write_watch, written]
+        rows = self.rows
+        try:
+            snapshot = dict(rows)
+            with self.lock:
+                staged = list(self.staging)
+            faults.hit("unit.register.after_snapshot")
+            ck = self.checkpoint_staged
+            body = {"unit_id": self.unit_id, "address": self.address,
+                    "held": held_report(snapshot), "staged": staged,
+                    "checkpoint": {"applied": self.applied_checkpoint,
+                                   "staged": ck[0] if ck else None}}
+            snapshot = None
+            reply = peer.call("REGISTER_UNIT", body, timeout=timeout) or {}
+        except BaseException:
+            self.server.call_soon(lambda: self._unwatch(written))
+            raise
+        self.incarnation = reply.get("incarnation")
+        if reply.get("apply_checkpoint"):
+            # a restarted controller rolls a decided checkpoint load forward: switch, then
+            # report again (the next heartbeat registers: -1 matches no incarnation)
+            load_id = reply["apply_checkpoint"]
+            self.incarnation = -1
+            self.server.call_soon(lambda: (self._unwatch(written), self.apply_checkpoint(
+                {"load_id": load_id}, None)))
+            return reply
+        drop, drop_staged = reply.get("drop") or [], reply.get("drop_staged") or []
+        log.info("unit %d registered with controller incarnation %s: holds %d rows, %d staged "
+                 "restores; %d rows, %d restores to drop", self.unit_id, self.incarnation,
+                 len(body["held"]["indexes"]), len(staged), len(drop), len(drop_staged))
+        self.server.call_soon(lambda: self._apply_register_reply(rows, written, drop,
+                                                                 drop_staged))
+        return reply
+
+    def _unwatch(self, written: set) -> None:
+        with self._watch_lock:
+            self.write_watch = [w for w in self.write_watch if w is not written]
+
+    def _apply_register_reply(self, rows: dict, written: set, drop: list,
+                              drop_staged: list) -> None:
+        """On the request loop: drop the rows the controller does not know, except those
+        written since the snapshot, and the staged restores it does not hold open."""
+        self._unwatch(written)
+        if drop and self.rows is not rows:
+            log.warning("unit %d: a checkpoint replaced its rows while registering; not "
+                        "dropping the %d rows the controller did not know", self.unit_id,
+                        len(drop))
+        elif drop:
+            kept = sum(1 for i in drop if i in written)
+            done = self.drop_rows({"indexes": [i for i in drop if i not in written]}, None)
+            log.info("unit %d dropped %d rows the controller does not know (kept %d written "
+                     "since its report)", self.unit_id, done["dropped"], kept)
+        for rid in drop_staged:
+            self.drop_staged({"restore_id": rid}, None)
+
+    # ---------------------------------------------------------------- heartbeat
+    def start_heartbeat(self, period: float | None = None) -> threading.Thread | None:
+        """Start the daemon thread that re-registers with a restarted controller."""
+        period = heartbeat_period() if period is None else period
+        if period <= 0:
+            return None
+        t = threading.Thread(target=self._heartbeat, args=(period,), daemon=True,
+                             name=f"unit{self.unit_id}-heartbeat")
+        t.start()
+        return t
+
+    def _heartbeat(self, period: float) -> None:
+        wait = max(1.0, 2 * period)  # per PING; a gone controller is noticed within that
+        peer = Peer(self.controller_address, "controller", timeout=wait,
+                    curve=self.client_curve, connect_timeout=wait)
+        trouble = ""  # what went wrong at the last beat: logged once, not once per beat
+        try:
+            while not self.attach_stop.wait(period):
+                now, why = self._beat(peer, wait)
+                if now and now != trouble:
+                    log.warning("unit %d: %s; retrying every %gs", self.unit_id, why, period)
+                elif trouble and not now:
+                    log.info("unit %d: controller at %s reachable and registered again",
+                             self.unit_id, self.controller_address)
+                trouble = now
+        finally:
+            peer.close()
+
+    def _beat(self, peer: Peer, wait: float) -> tuple[str, str]:
+        """One PING, and REGISTER_UNIT if the controller is a new incarnation. Returns
+        ("", "") or the kind of failure and what happened."""
+        where = f"controller at {self.controller_address}"
+        try:
+            incarnation = (peer.call("PING", timeout=wait) or {}).get("incarnation")
+        except Exception as exc:
+            # the class only: the message's "is gone" would read as a failed report in the log
+            return "unreachable", f"{where} unreachable ({type(exc).__name__} on PING)"
+        if incarnation is None or incarnation == self.incarnation:
+            return "", ""
+        log.info("unit %d: %s is incarnation %s (registered with %s): registering again",
+                 self.unit_id, where, incarnation, self.incarnation)
+        try:
+            self.register(timeout=max(30.0, wait), peer=peer)
+        except Exception as exc:
+            return "register", f"{where} did not take REGISTER_UNIT ({type(exc).__name__}: {exc})"
+        if self.incarnation is None:  # a reply without one: do not register every beat
+            self.incarnation = incarnation
+        return "", ""

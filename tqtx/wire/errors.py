@@ -1,0 +1,64 @@
+"""Errors across the wire: an exception becomes ``{"type", "message", "data"}`` in a reply
+(:func:`error_payload`) and is raised again on the caller's side as the matching type
+(:func:`raise_remote`); a type it does not know arrives as :class:`~tqtx.errors.RemoteError`.
+"""
+from __future__ import annotations
+
+from ..errors import (ControllerRecoveringError, DumpFormatError, DumpNotFoundError,
+                      FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, RemoteError, RestorePendingError, RowsLostError,
+                      SchemaConflictError)
+
+
+def error_payload(exc: BaseException) -> dict:
+    """The ``{"type", "message", "data"}`` an error reply carries for ``exc``."""
+    data = {}
+    if isinstance(exc, (RestorePendingError, RowsLostError)):
+        data = exc.to_dict()
+        kind = type(exc).__name__
+    elif isinstance(exc, KeysNotFoundError):
+        data = {"keys": exc.keys, "partition_id": exc.partition_id}
+        kind = "KeysNotFoundError"
+    else:
+        kind = type(exc).__name__
+    if isinstance(exc, (KeysNotFoundError, RowsLostError)):
+        message = exc.message
+    elif isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        message = exc.args[0]  # str(KeyError) would quote it, and again on the client
+    else:
+        message = str(exc)
+    if isinstance(exc, DumpNotFoundError) and exc.filename is not None:
+        data = {"filename": exc.filename}
+    return {"type": kind, "message": message, "data": data}
+
+
+_BUILTIN = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
+            "FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError,
+            "PermissionError": PermissionError, "NotADirectoryError": NotADirectoryError,
+            "OSError": OSError, "RuntimeError": RuntimeError, "TimeoutError": TimeoutError,
+            "CodecError": ValueError, "DumpFormatError": DumpFormatError,
+            "FieldsNotFoundError": FieldsNotFoundError,
+            "PartitionNotFoundError": PartitionNotFoundError,
+            "SchemaConflictError": SchemaConflictError,
+            "IllegalTransition": RuntimeError, "InjectedFault": RuntimeError,
+            "ControllerRecoveringError": ControllerRecoveringError}
+
+
+def raise_remote(err: dict, peer: str):
+    """Raise the exception an error reply from ``peer`` describes (``error_payload`` reversed)."""
+    kind, message, data = err.get("type"), err.get("message", ""), err.get("data") or {}
+    if kind == "RestorePendingError":
+        units = {int(k) if str(k).isdigit() else k: v for k, v in (data.get("units") or {}).items()}
+        raise RestorePendingError(message, restore_id=data.get("restore_id"),
+                                  dump_dir=data.get("dump_dir"), reason=data.get("reason"),
+                                  units=units, partition_id=data.get("partition_id"))
+    if kind == "KeysNotFoundError":
+        raise KeysNotFoundError(data.get("keys", []), data.get("partition_id"))
+    if kind == "RowsLostError":
+        raise RowsLostError(data.get("keys", []), data.get("partition_id"),
+                            fields=data.get("fields"), units=dict(data.get("units") or []))
+    if kind == "DumpNotFoundError":
+        raise DumpNotFoundError(message, data.get("filename"))
+    cls = _BUILTIN.get(kind)
+    if cls is not None:
+        raise cls(message)
+    raise RemoteError(f"{peer}: {kind}: {message}")
