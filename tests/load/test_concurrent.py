@@ -95,12 +95,15 @@ def _run_concurrent(tq_start, tmp_path, *, writers: int, seconds: float, rounds_
     tq.kv_batch_put(sk, "src", std, tags=stags)
 
     env = {**os.environ, "TQTX_LOG_LEVEL": "WARNING"}
+    # Unbuffered pipes: readline() below must not read past READY, because communicate()
+    # reads the raw pipe and would lose a RESULT line sitting in readline's buffer (a writer
+    # that finished before the parent read its READY).
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, address, str(w), str(seconds), "load"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
              for w in range(writers)]
     try:
         for p in procs:  # wait until every writer is attached and about to loop
-            line = p.stdout.readline()
+            line = p.stdout.readline().decode()
             assert line.startswith("READY"), (line, p.stderr.read()[-2000:] if p.poll() else "")
         t_ready = time.monotonic()
         rounds = 0
@@ -118,7 +121,7 @@ def _run_concurrent(tq_start, tmp_path, *, writers: int, seconds: float, rounds_
         t_rounds = time.monotonic()
         results = []
         for p in procs:
-            out, err = p.communicate(timeout=120)
+            out, err = (b.decode() for b in p.communicate(timeout=120))
             line = [x for x in out.splitlines() if x.startswith("RESULT ")]
             assert p.returncode == 0 and line, err[-3000:]
             results.append(json.loads(line[0][7:]))
