@@ -191,7 +191,7 @@ class KVRequests:
         The journaled metadata, with a ``checkpoint_load`` marker, is the decision; then the
         units switch (APPLY_CHECKPOINT) and the marker goes. A controller restarted in
         between finds the marker and rolls the switch forward as units re-register
-        (:meth:`Controller._checkpoint_register`)."""
+        (:meth:`Controller.register_unit`)."""
         self._refuse_if_restoring("load_checkpoint")
         self._require_units("load_checkpoint")
         snap, load_id = body["metadata"], body.get("load_id")

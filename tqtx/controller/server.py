@@ -25,6 +25,7 @@ from .startup import replay
 log = logging.getLogger("tqtx.controller")
 
 UNIT_WAIT = float(os.environ.get("TQTX_UNIT_WAIT", "60"))
+_EMPTY_HELD = {"indexes": [], "field_sets": [], "fields_of": []}
 
 
 def acquire_state_dir(state_dir: str):
@@ -130,15 +131,16 @@ class Controller(KVRequests, RestoreProtocol):
         self.unit_peers[uid] = Peer(body["address"], f"unit {uid}", timeout=120,
                                     curve=self.client_curve, connect_timeout=CONNECT_TIMEOUT)
         held = body.get("held")
+        stale = False  # the unit holds rows from before a checkpoint it never switched to
         if self.checkpoint_load:
-            switch = self._checkpoint_register(uid, body)
-            if switch is not None:
-                return switch
-            held = body.get("held") if (body.get("checkpoint") or {}).get("applied") == \
-                self.checkpoint_load else {"indexes": [], "field_sets": [], "fields_of": []}
-        drop, lost = self._reconcile(uid, held)
-        if held is not body.get("held") and body.get("held"):
-            drop = list(body["held"].get("indexes") or ())  # rows from before the checkpoint
+            ck = body.get("checkpoint") or {}
+            if ck.get("applied") != self.checkpoint_load:
+                if ck.get("staged") == self.checkpoint_load:
+                    return self._switch_first(uid)
+                stale = True
+        drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
+        if stale and held:
+            drop = list(held.get("indexes") or ())
         self.awaiting_units.discard(uid)
         if self.checkpoint_load and not self.awaiting_units:
             self._checkpoint_switched()
@@ -150,18 +152,15 @@ class Controller(KVRequests, RestoreProtocol):
         faults.hit("controller.meta.unit_lost.before_reply")
         return {"incarnation": self.incarnation, "drop": drop, "drop_staged": drop_staged}
 
-    def _checkpoint_register(self, uid: int, body) -> dict | None:
-        """A unit registering while a checkpoint switch is open (the controller restarted
-        after deciding it): one that staged the checkpoint but has not switched is told to
-        switch and report again; one that has neither (it restarted) is reconciled as empty,
-        and the rows it still holds, from before the checkpoint, are dropped."""
-        ck = body.get("checkpoint") or {}
-        if ck.get("applied") != self.checkpoint_load and ck.get("staged") == self.checkpoint_load:
-            log.info("unit %d: switching to checkpoint load %s before it reports", uid,
-                     self.checkpoint_load)
-            return {"incarnation": self.incarnation, "drop": [], "drop_staged": [],
-                    "apply_checkpoint": self.checkpoint_load}
-        return None
+    def _switch_first(self, uid: int) -> dict:
+        """The reply to a unit registering while a checkpoint switch is open (the controller
+        restarted after deciding it) that staged the checkpoint but has not switched: switch,
+        then report again. A unit with neither (it restarted) is reconciled as empty, and the
+        rows it still holds, from before the checkpoint, are dropped (register_unit)."""
+        log.info("unit %d: switching to checkpoint load %s before it reports", uid,
+                 self.checkpoint_load)
+        return {"incarnation": self.incarnation, "drop": [], "drop_staged": [],
+                "apply_checkpoint": self.checkpoint_load}
 
     def _require_units(self, what: str) -> None:
         """ControllerRecoveringError while a replayed buffer waits for units to re-register.

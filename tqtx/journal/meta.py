@@ -190,11 +190,5 @@ class MetaJournal:
         return {"next_index": int(row[0]) if row else 0, "partitions": parts,
                 "markers": markers}
 
-    def counts(self) -> dict:
-        """Stored keys and lost rows (for stats and ``journal show``)."""
-        keys, lost = self._db.execute(
-            "SELECT count(*), count(lost_unit) FROM meta_keys").fetchone()
-        return {"keys": keys, "lost": lost}
-
     def close(self) -> None:
         self._pooled.close()
