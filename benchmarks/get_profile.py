@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             ("controller LOOKUP round trip", lookup),
             ("  of which the controller's handler", med["controller LOOKUP handler"]),
             ("GET_ROWS fan-out (wait for all units)", fan),
-            ("  slowest unit's handler (lookup rows, _pack_column, encode)", unit),
+            ("  slowest unit's handler (lookup rows, pack or write the columns, encode)", unit),
             ("  client decode of the replies", dec),
             ("  transport and waiting (rest)", max(0.0, fan - unit - dec)),
             ("client: rows into columns (unpack_column + placement)", rows - lookup - fan),

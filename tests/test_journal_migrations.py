@@ -241,3 +241,42 @@ def test_fresh_journal_from_models_equals_the_migrated_schema(tmp_path, chain):
     finally:
         engine.dispose()
     assert _schema(fast) == _schema(slow)
+
+
+@pytest.mark.parametrize("chain,base", [("controller", ControllerBase), ("dump", DumpBase)])
+def test_precompiled_schema_is_create_all_and_at_the_alembic_head(tmp_path, chain, base):
+    """A new journal runs the statements of head_schema_sql (compiled once per process):
+    the same tables and indexes, statement for statement, as create_all of the models,
+    and stamped at the head alembic itself reports."""
+    from tqtx.journal import migrate as jm
+    fast, ref = tmp_path / "fast.sqlite", tmp_path / "ref.sqlite"
+    assert jm.migrate(fast, chain) == (None, head_revision(chain))
+    engine = make_engine(ref, wal=chain == "controller")
+    try:
+        with engine.begin() as conn:
+            base.metadata.create_all(conn)
+    finally:
+        engine.dispose()
+
+    def ddl(path):
+        con = sqlite3.connect(path)
+        try:
+            return sorted(con.execute("SELECT type, name, sql FROM sqlite_master "
+                                      "WHERE tbl_name != 'alembic_version'").fetchall())
+        finally:
+            con.close()
+
+    assert ddl(fast) == ddl(ref)
+    engine = make_engine(fast, wal=chain == "controller")
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn)
+            assert ctx.get_current_heads() == (head_revision(chain),)
+            assert compare_metadata(ctx, base.metadata) == []
+    finally:
+        engine.dispose()
+    # and a DumpJournal opened on a new directory is that journal
+    if chain == "dump":
+        with DumpJournal(tmp_path / "new") as j:
+            assert j.revision() == head_revision("dump")
+        assert ddl(dump_journal_path(tmp_path / "new")) == ddl(ref)

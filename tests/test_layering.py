@@ -145,3 +145,14 @@ def test_no_module_is_over_the_line_limit():
     long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_every_package_ships_in_the_wheel():
+    """Each folder of tqtx/ with an __init__.py is listed in pyproject.toml's packages (an
+    editable install finds it anyway; a wheel, as Ray workers install it, would not)."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    assert found - listed == set()

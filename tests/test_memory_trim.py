@@ -42,3 +42,18 @@ def test_quiet_trim_after_a_small_free():
     # free bytes just changed; unchanged once; unchanged twice: quiet, and > 1 MiB freed
     assert seen == [False, False, True]
     assert [t.check() for _ in range(3)] == [False, False, False]  # nothing new to give
+
+
+def test_small_allocations_of_a_quiet_unit_do_not_keep_it_from_trimming():
+    """A unit's heartbeats and stats allocate a little all the time: changes of free bytes
+    under QUIET_BYTES between checks still count as quiet."""
+    t = memory.Trimmer(threshold=1 << 40, period=60, quiet_checks=2)
+    bufs = [bytearray(24 * 1024) for _ in range(512)]
+    t.check()
+    del bufs[::2]
+    noise, seen = [], []
+    for i in range(3):
+        seen.append(t.check())
+        noise.append(bytearray(64 * 1024 * (i + 1)))  # a heartbeat's worth, changing
+    assert seen == [False, False, True]
+    del bufs, noise

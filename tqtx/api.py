@@ -14,6 +14,7 @@ import threading
 
 from .client import Client, KVBatchMeta
 from .errors import TqtxError
+from .gcpause import gc_paused
 from .validate import check_keys, check_partition, check_utf8
 
 __all__ = [
@@ -73,6 +74,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     with _lock:
         if _client is not None:
             return dict(_config)
+        _warm_dump_path()
         from .initconfig import resolve
         given = resolve(config)
         _set_compat(given.pop("compat", None))
@@ -116,6 +118,19 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
             return dict(_config)
         finally:
             lock.release()
+
+
+def _warm_dump_path() -> None:
+    """Import the dump path (SQLAlchemy and the journals, ~0.4 s) in a daemon thread while
+    init waits for the servers, so the first dump costs what later ones do. A dump that
+    comes early waits on the import lock; a failure here shows again at the dump."""
+    def run():
+        try:
+            from .dump import save
+            save.warm()
+        except Exception:
+            pass
+    threading.Thread(target=run, name="tqtx-warm-dump", daemon=True).start()
 
 
 def _attach_recorded(rec: dict, cfg: dict, asked_units):
@@ -266,6 +281,7 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
     return _put([key], partition_id, columns, [tag] if tag is not None else None)
 
 
+@gc_paused
 def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
                  tags: list[dict] | None = None, data_parser=None) -> KVBatchMeta:
     """Put a batch: ``fields`` is a TensorDict (or dict) with batch_size == len(keys); one
@@ -315,6 +331,7 @@ def _select_list(select_fields) -> list[str] | None:
     return list(select_fields)
 
 
+@gc_paused
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     """Get rows in request order as a TensorDict (dense, jagged nested, NonTensorStack).
 
@@ -327,18 +344,23 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     keys = check_keys(keys)
     check_partition(partition_id)
     select_fields = _select_list(select_fields)
-    if _compat != "transferqueue":
-        columns, schemas = get_client().get_columns(keys, partition_id, select_fields)
-        return tensors.tensordict_from_columns(columns, schemas, len(keys))
-    found, columns, schemas = get_client().get_rows(keys, partition_id, select_fields,
-                                                    lenient=True)
-    if len(found) != len(keys):
-        import logging
-        missing = sorted(set(keys) - set(found))
-        logging.getLogger("tqtx.api").warning(
-            "kv_batch_get: keys %s were not found in partition %r; they are left out",
-            missing[:20], partition_id)
-    return tensors.tensordict_from_columns(columns, schemas, len(found), layout="transferqueue")
+    client = get_client()
+    lenient = _compat == "transferqueue"
+    found, columns, schemas = client.get_rows(keys, partition_id, select_fields,
+                                              lenient=lenient, direct=True)
+    try:
+        if not lenient:
+            return tensors.tensordict_from_columns(columns, schemas, len(keys))
+        if len(found) != len(keys):
+            import logging
+            missing = sorted(set(keys) - set(found))
+            logging.getLogger("tqtx.api").warning(
+                "kv_batch_get: keys %s were not found in partition %r; they are left out",
+                missing[:20], partition_id)
+        return tensors.tensordict_from_columns(columns, schemas, len(found),
+                                               layout="transferqueue")
+    finally:
+        tensors.close_files_later(client.reply_files(columns))
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):

@@ -8,6 +8,7 @@ from math import prod
 
 from . import faults
 from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, TqtxError
+from .wire import shm
 from .wire.peer import CONNECT_TIMEOUT, Peer, call_many
 from .wire.rpc import DEFAULT_TIMEOUT, new_id
 from .wire.values import DTYPE_SIZES, RawTensor
@@ -107,6 +108,8 @@ class Client:
         self._all_peers: list[Peer] = []
         self._peers_lock = threading.Lock()
         self._topology_lock = threading.Lock()
+        self._inbox: shm.GetInbox | None = None
+        self._inbox_tried = False
         self.unit_generation = 0  # bumped when unit addresses change
         # client-side totals: calls, rows and bytes per kind (see client_stats)
         self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}
@@ -271,7 +274,10 @@ class Client:
             for p in self._all_peers:
                 p.close()
             self._all_peers.clear()
+            inbox, self._inbox = self._inbox, None
         self._local = threading.local()
+        if inbox is not None:
+            inbox.close()
 
     # ---------------------------------------------------------------- routing
     def owner(self, index: int) -> int:
@@ -392,9 +398,28 @@ class Client:
         _, columns, schemas = self.get_rows(keys, pid, select_fields)
         return columns, schemas
 
-    def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False):
+    def reply_inbox(self) -> "shm.GetInbox | None":
+        """This client's same-host reply directory (made on first use), or None if there
+        is no RAM file system to make it in (``TQTX_SHM_DIR``)."""
+        with self._peers_lock:
+            if self._inbox is not None and self._inbox.pid != os.getpid():
+                self._inbox_tried = False  # a forked child makes an inbox of its own
+            if not self._inbox_tried:
+                self._inbox_tried = True
+                root = shm.default_root()
+                try:
+                    self._inbox = shm.GetInbox(root) if root else None
+                except OSError:
+                    self._inbox = None
+            return self._inbox
+
+    def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False,
+                 direct=False):
         """(keys found, columns, schemas) in request order. ``lenient`` (TransferQueue's
-        results): unknown keys, and fields not produced for every key, are left out."""
+        results): unknown keys, and fields not produced for every key, are left out.
+        ``direct``: units on this host may write tensor columns into reply files; such a
+        column's rows are then ``None`` and its ``chunks`` hold :class:`shm.FileRows`
+        (for :func:`tqtx.tensors.tensordict_from_columns`; see :meth:`reply_files`)."""
         body = {"partition_id": pid, "keys": keys, "select_fields": select_fields}
         if lenient:
             body["lenient"] = True
@@ -403,27 +428,67 @@ class Client:
         keys = meta.get("keys", keys)
         fields, indexes = meta["fields"], meta["indexes"]
         columns = {f: Column([None] * len(keys)) for f in fields}
+        inbox = self.reply_inbox() if direct else None
+        hint = inbox.hint_for(new_id()) if inbox is not None else None
         if fields:
             per_unit: dict[int, dict] = {}
             positions: dict[int, list[int]] = {}
             for pos, idx in enumerate(indexes):
                 u = idx % self.num_units
-                per_unit.setdefault(u, {"indexes": [], "fields": fields})["indexes"].append(idx)
+                req = per_unit.get(u)
+                if req is None:
+                    req = per_unit[u] = {"indexes": [], "fields": fields}
+                    if inbox is not None:
+                        req["shm"] = hint
+                req["indexes"].append(idx)
                 positions.setdefault(u, []).append(pos)
             peers = [self.unit(u) for u in per_unit]
             before = sum(p.bytes_received + p.header_bytes_received for p in peers)
-            replies = self.fan_out("GET_ROWS", per_unit)
+            try:
+                replies = self.fan_out("GET_ROWS", per_unit)
+            except BaseException:
+                if hint is not None:  # units that answered may have written their files
+                    inbox.discard_get(hint["get"])
+                raise
             self.count("gets", len(keys), sum(p.bytes_received + p.header_bytes_received
                                               for p in peers) - before)
+            files = [r["file"] for r in replies.values() if "file" in r]
+            opened = []
+            try:
+                for name in files:
+                    opened.append(shm.ReplyFile(inbox.open_reply(name)))
+            except (OSError, ValueError, AttributeError) as exc:
+                for f in opened:
+                    f.close()
+                raise TqtxError(f"could not open a reply file of this get: {exc}") from exc
+            finally:
+                if hint is not None:  # e.g. the file of a unit asked again after it died
+                    inbox.discard_get(hint["get"])
+            opened = dict(zip(files, opened))
             for u, reply in replies.items():
                 pos = positions[u]
                 for f, col in zip(fields, reply["columns"]):
                     out = columns[f]
+                    if "s" in col:
+                        dtype, shapes, offset = col["s"]
+                        out.chunks.append((pos, shm.FileRows(dtype, shapes,
+                                                             opened[reply["file"]], offset)))
+                        continue
                     for p, v in zip(pos, unpack_column(col)):
                         out[p] = v
                     if "p" in col:
                         out.chunks.append((pos, col["p"][2]))
         return keys, columns, meta["schemas"]
+
+    @staticmethod
+    def reply_files(columns: dict) -> list:
+        """The reply files a ``direct`` get's columns read from (close them when done)."""
+        found = {}
+        for col in columns.values():
+            for _, src in getattr(col, "chunks", ()):
+                if isinstance(src, shm.FileRows):
+                    found[id(src.file)] = src.file
+        return list(found.values())
 
     def list_keys(self, pid=None) -> dict:
         return self.call_controller("LIST", {"partition_id": pid}, what="listing keys")

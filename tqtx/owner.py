@@ -19,6 +19,7 @@ import threading
 import time
 
 from .errors import TqtxError
+from .pids import process_alive, process_started  # noqa: F401  (owner.process_started)
 
 log = logging.getLogger("tqtx.owner")
 
@@ -59,39 +60,6 @@ def acquire(lock, timeout: float = LOCK_TIMEOUT):
         raise TqtxError(f"could not take {lock.lock_file} within {timeout:.0f}s: another "
                         f"process keeps starting or stopping the deployment of this state "
                         f"dir") from None
-
-
-# ---------------------------------------------------------------- processes
-def process_started(pid: int) -> str | None:
-    """An identity of a running process that changes when ``pid`` is reused (Linux start
-    time); None if the process does not exist or is a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return _alive_by_signal(pid)
-    if fields[0] in ("Z", "X"):
-        return None
-    return fields[19]  # starttime, field 22 of /proc/<pid>/stat
-
-
-def _alive_by_signal(pid: int) -> str | None:
-    if os.path.isdir("/proc"):
-        return None  # Linux without /proc/<pid>: gone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return "?"
-
-
-def process_alive(pid, started) -> bool:
-    if not isinstance(pid, int):
-        return False
-    now = process_started(pid)
-    return now is not None and (started in (None, "?") or now == "?" or now == started)
 
 
 # ---------------------------------------------------------------- the record

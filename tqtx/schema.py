@@ -145,6 +145,40 @@ def field_schema_problem(schema) -> str | None:
     return None
 
 
+def row_checker(schema: dict):
+    """:func:`validate_row` for many records of one dump: ``check(row, file, gidx)`` raises
+    what ``validate_row(row, schema, where=f"{file} record of global index {gidx}")`` would,
+    with the schema looked up once (the message is only built for a row that fails)."""
+    fast: dict = {}
+    for name, fs in schema.items():
+        kind = fs.get("kind") if isinstance(fs, dict) else None
+        if kind == "object":
+            fast[name] = None
+        elif kind == "tensor" and type(fs.get("dtype")) is str and fs["dtype"] in DTYPE_SIZES \
+                and (fs.get("shape") is None or isinstance(fs["shape"], (list, tuple))):
+            # anything else (malformed) takes validate_row's path for every row
+            shape = fs.get("shape")
+            fixed = tuple(shape) if not fs.get("jagged") and shape is not None else None
+            fast[name] = (fs["dtype"], fs.get("ndim"), fixed, DTYPE_SIZES[fs["dtype"]])
+
+    def check(row: dict, file, gidx) -> None:
+        for name, value in row.items():
+            spec = fast.get(name, False)
+            if spec is None:
+                if not isinstance(value, RawTensor):
+                    continue
+            elif spec is not False and isinstance(value, RawTensor):
+                dtype, ndim, fixed, itemsize = spec
+                shape = value.shape
+                if (value.dtype == dtype and len(shape) == ndim
+                        and (fixed is None or tuple(shape) == fixed)
+                        and memoryview(value.data).nbytes == prod(shape) * itemsize):
+                    continue
+            validate_row(row, schema, where=f"{file} record of global index {gidx}")
+            return  # (validate_row checked the whole row)
+    return check
+
+
 def validate_row(row: dict, schema: dict, *, where: str) -> None:
     """Check every value of ``row`` against ``schema`` ({field: field schema});
     DumpFormatError naming ``where``."""

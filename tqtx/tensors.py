@@ -1,13 +1,17 @@
 """Client-side conversion between torch/tensordict batches and the torch-free value model."""
 from __future__ import annotations
 
+import os
+import threading
 import warnings
+from math import prod
 
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from .validate import check_utf8
+from .wire import shm
 from .wire.values import DTYPE_SIZES, RawTensor
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
@@ -247,8 +251,132 @@ def _scatter_packed(out: torch.Tensor, values) -> bool:
     return True
 
 
+def _read_file_rows(values) -> None:
+    """Turn the rows of ``values`` that are in reply files into RawTensors of their own."""
+    keep = []
+    for pos, src in values.chunks:
+        if not isinstance(src, shm.FileRows):
+            keep.append((pos, src))
+            continue
+        size = DTYPE_SIZES[src.dtype]
+        lengths = [prod(s) * size for s in src.shapes]
+        data = os.pread(src.file.fd, sum(lengths), src.offset)
+        view, at = memoryview(data), 0
+        for p, shape, nb in zip(pos, src.shapes, lengths):
+            values[p] = RawTensor.of(src.dtype, tuple(shape), view[at:at + nb])
+            at += nb
+    values.chunks = keep
+
+
+_PARALLEL_BYTES = 8 << 20  # smaller columns are read by the calling thread
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _reader_pool():
+    """Threads that read reply files into a result (first touch of fresh memory is the
+    cost, and it runs in parallel with the GIL released)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                       thread_name_prefix="tqtx-get-read")
+        return _pool
+
+
+def _shape_table(values, files, dtype):
+    """Every row's shape as one (rows, rank) int64 array in request order, or None if the
+    rows differ in dtype or rank or some row is missing."""
+    parts = []
+    for pos, src in files:
+        if src.dtype != dtype:
+            return None
+        parts.append((pos, src.shapes))
+    mem = [i for i, v in enumerate(values) if v is not None]
+    if mem:
+        if any(type(values[i]) is not RawTensor or values[i].dtype != dtype for i in mem):
+            return None
+        parts.append((mem, [values[i].shape for i in mem]))
+    n, rank = len(values), None
+    table = None
+    seen = np.zeros(n, dtype=np.int64)
+    for pos, shapes in parts:
+        try:
+            arr = np.asarray(shapes, dtype=np.int64).reshape(len(pos), -1)
+        except ValueError:  # rows of different ranks
+            return None
+        if rank is None:
+            rank = arr.shape[1]
+            table = np.empty((n, rank), dtype=np.int64)
+        elif arr.shape[1] != rank:
+            return None
+        idx = np.asarray(pos, dtype=np.int64)
+        table[idx] = arr
+        seen[idx] += 1
+    return table if table is not None and bool((seen == 1).all()) else None
+
+
+def _assemble_direct(values, files):
+    """A tensor column some of whose rows are in reply files, read with ``preadv``
+    straight into the result (dense, or the jagged values buffer); None if the rows do
+    not make one dense or jagged tensor of one dtype."""
+    n, dtype = len(values), files[0][1].dtype
+    table = _shape_table(values, files, dtype)
+    if table is None:
+        return None
+    size, first = DTYPE_SIZES[dtype], tuple(table[0].tolist())
+    if bool((table == table[0]).all()):
+        rs = prod(first) * size
+        nbytes, starts = np.full(n, rs, dtype=np.int64), np.arange(n, dtype=np.int64) * rs
+        out = result = torch.empty((n, *first), dtype=_TORCH_DTYPES[dtype])
+    elif first and bool((table[:, 1:] == table[0, 1:]).all()):
+        lengths = table[:, 0]
+        nbytes = lengths * (prod(first[1:]) * size)
+        starts = np.cumsum(nbytes) - nbytes
+        out = torch.empty((int(lengths.sum()), *first[1:]), dtype=_TORCH_DTYPES[dtype])
+        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
+        result = torch.nested.nested_tensor_from_jagged(out, offsets)
+    else:
+        return None
+    if out.numel() == 0:
+        return result
+    arr = np.asarray(_byte_view(out))
+    dst = memoryview(arr)
+    reads = []
+    for pos, src in files:
+        idx = np.asarray(pos, dtype=np.int64)
+        reads.append((src.file.fd, [dst[a:a + b] for a, b in
+                                    zip(starts[idx].tolist(), nbytes[idx].tolist()) if b],
+                      src.offset))
+    if len(reads) > 1 and out.numel() * out.element_size() >= _PARALLEL_BYTES:
+        list(_reader_pool().map(lambda r: shm.preadv_into(*r), reads))  # preadv drops the GIL
+    else:
+        for r in reads:
+            shm.preadv_into(*r)
+    for i, v in enumerate(values):
+        if v is not None and nbytes[i]:
+            a = int(starts[i])
+            arr[a:a + int(nbytes[i])] = np.frombuffer(v.data, dtype=np.uint8)
+    return result
+
+
+def close_files_later(files: list) -> None:
+    """Close reply files off the caller's thread: closing the last reference to a file in
+    a RAM file system frees its pages, which takes a while for a large get."""
+    if files:
+        _reader_pool().submit(lambda: [f.close() for f in files])
+
+
 def assemble_column(values: list, schema: dict):
     """Build a batch column: dense tensor, jagged nested tensor or NonTensorStack."""
+    files = [c for c in getattr(values, "chunks", ()) if isinstance(c[1], shm.FileRows)]
+    if files:
+        col = _assemble_direct(values, files)
+        if col is not None:
+            return col
+        _read_file_rows(values)
     if schema.get("kind") != "tensor" or not values or not isinstance(values[0], RawTensor):
         return NonTensorStack(*[decode_field_object(v) for v in values]) if values else None
     dtype = _TORCH_DTYPES[values[0].dtype]

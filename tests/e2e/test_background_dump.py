@@ -25,6 +25,8 @@ def test_dump_holds_the_snapshot_despite_immediate_changes(tq_shared, pid, tmp_p
     tq.kv_batch_put(keys[:10], pid, td2[:10], tags=[{"status": "changed"}] * 10)
     tq.kv_clear(keys[10:20], pid)
     tq.kv_batch_put(keys[10:15], pid, td2[10:15])  # may reuse the freed indexes
+    # one field of rows the snapshot holds whole, in place on the unit (copy on write)
+    tq.kv_batch_put(keys[20:25], pid, TensorDict({"obs": torch.zeros(5, 4)}, batch_size=[5]))
     rep = handle.result(timeout=60)
     assert handle.done() and rep["keys"] == 30 and rep["dump_id"] == handle.dump_id
     assert handle.critical_path_seconds is not None

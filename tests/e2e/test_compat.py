@@ -8,7 +8,6 @@ import inspect
 import json
 import logging
 import os
-import socket
 import urllib.request
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
+from tq_procs import free_port_run
 from tqtx import KVBatchMeta
 from tqtx import format as fmt
 from tqtx.tensors import to_raw
@@ -134,31 +134,9 @@ def test_transferqueue_call_shapes(tq_shared, pid, tmp_path):
     assert tq.get_metrics_endpoint() is None  # this deployment exports no metrics
 
 
-def _free_port_run(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 def test_get_metrics_endpoint_names_the_controller_exporter(tq_start):
     pytest.importorskip("prometheus_client")
-    base = _free_port_run(3)
+    base = free_port_run(3)
     tq_start(2, metrics={"enabled": True, "port": base})
     endpoint = tq.get_metrics_endpoint()
     assert endpoint == f"127.0.0.1:{base}"

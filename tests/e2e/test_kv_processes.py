@@ -15,36 +15,10 @@ import pytest
 import tqtx as tq
 import tqtx.api as tq_api
 from tqtx import PeerDiedError, PeerTimeoutError
+from tq_procs import alive, wait_gone  # noqa: F401
 
 
 # ---------------------------------------------------------------- helpers
-def alive(pid: int) -> bool:
-    """True while ``pid`` is a running (non-zombie) process."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def wait_gone(pids, timeout=5.0) -> list[int]:
-    """Wait until every pid is gone; returns those still alive after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if alive(p)]
-        if left:
-            time.sleep(0.05)
-    return [p for p in left if alive(p)]
-
-
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k != "TQTX_ADDRESS"}
     env.update(extra)

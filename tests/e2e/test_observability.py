@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import tqtx as tq
+from tq_procs import free_port_run
 
 ROW_BYTES = 8 * 4  # one float32[8] field per row
 
@@ -135,33 +135,10 @@ def test_stats_cli_json_reports_every_process(tq_start, tmp_path):
     assert "RESTORE_UNIT:claim" in res.stdout
 
 
-def _free_port_run(n: int) -> int:
-    """A base port with ``n`` consecutive free ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.skip("no run of free ports")
-
-
 def test_prometheus_endpoint_serves_documented_names(tq_start, tmp_path):
     pytest.importorskip("prometheus_client",
                         reason="prometheus_client not installed (pip install tqtx[metrics])")
-    base = _free_port_run(3)
+    base = free_port_run(3)
     cfg = tq_start(2, metrics={"enabled": True, "port": base})
     assert cfg["metrics_port"] == base
     _known_sequence(tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 STATUSES = ("pending", "running", "finished")
 
@@ -324,3 +325,26 @@ def wait_gone(pids, timeout: float = 10.0) -> list[int]:
         if left:
             time.sleep(0.05)
     return left
+
+
+def free_port_run(n: int) -> int:
+    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")

@@ -138,15 +138,20 @@ class KVRequests:
         indexes = part.indexes_of(keys)
         part.check_readable(keys, indexes)  # a dump must not promise rows no unit holds
         set_ids: dict[frozenset, int] = {}
+        by_object: dict[int, int] = {}  # rows share their field-set objects: look them up once
         field_sets: list[list[str]] = []
         fields_of = []
-        produced = part.fields
+        produced, empty = part.fields, frozenset()
         for idx in indexes:
-            fs = frozenset(produced.get(idx, ()))
-            sid = set_ids.get(fs)
+            obj = produced.get(idx, empty)
+            sid = by_object.get(id(obj))
             if sid is None:
-                sid = set_ids[fs] = len(field_sets)
-                field_sets.append(sorted(fs))
+                fs = frozenset(obj)
+                sid = set_ids.get(fs)
+                if sid is None:
+                    sid = set_ids[fs] = len(field_sets)
+                    field_sets.append(sorted(fs))
+                by_object[id(obj)] = sid
             fields_of.append(sid)
         used = sorted(set().union(*field_sets)) if field_sets else []
         tags = part.tags

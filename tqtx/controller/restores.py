@@ -61,13 +61,17 @@ class RestorePlan:
         self.redo: set[int] = set()             # units to roll forward from the dump
         self.redo_failed: dict[int, str] = {}   # unit -> why the dump could not provide
         self.last_error: dict[int, BaseException] = {}
+        self._packed: bytes | None = None
 
     _FIELDS = ("restore_id", "partition_id", "dump_dir", "rows", "field_schema", "units",
                "new_indexes", "srcs", "dump_id")
 
     def encode(self) -> bytes:
-        """The plan as stored with the commit decision (msgpack)."""
-        return codec.packb({f: getattr(self, f) for f in self._FIELDS})
+        """The plan as stored with the commit decision (msgpack; encoded once: these
+        fields do not change after BEGIN_RESTORE)."""
+        if self._packed is None:
+            self._packed = codec.packb({f: getattr(self, f) for f in self._FIELDS})
+        return self._packed
 
     @classmethod
     def decode(cls, data: bytes) -> "RestorePlan":
@@ -154,6 +158,8 @@ class RestoreProtocol:
             self._release(plan)
             raise
         self.restores[rid] = plan
+        if self.metajournal.enabled:  # encoded while the units load, not in FINISH_RESTORE
+            self.server.call_soon(plan.encode)
         log.info("restore %s: begun for partition %r from %s (%d keys, %d new, units %s)",
                  rid, pid, plan.dump_dir, len(rows), len(new_idx), plan.units)
         faults.hit("controller.restore.after_begin")
@@ -173,25 +179,29 @@ class RestoreProtocol:
     def restore_unit(self, body, req):
         """A unit claims permission, reports its rows staged, or reports failure."""
         rid, uid, action = body["restore_id"], int(body["unit_id"]), body["action"]
+        if action in ("claim", "staged"):
+            # One journal transaction: the move itself checks that the restore is active
+            # (the restore is read again only to word a refusal).
+            try:
+                if action == "claim":
+                    self.journal.claim_unit(rid, uid)
+                else:
+                    self.journal.stage_unit(rid, uid, rows=int(body.get("rows", 0)),
+                                            bytes=int(body.get("bytes", 0)))
+            except (KeyError, IllegalTransition) as exc:
+                raise self._refusal(rid, uid, action, exc) from None
+            if action == "claim":
+                log.info("restore %s: unit %d claimed", rid, uid)
+                faults.hit("controller.restore.after_claim")
+            else:
+                log.info("restore %s: unit %d staged %s rows", rid, uid, body.get("rows"))
+                faults.hit("controller.restore.after_staged")
+            return {"ok": True}
         rec = self.journal.get_restore(rid)
         if rec is None:
             raise RuntimeError(f"restore {rid} is unknown to this controller")
         try:
-            if action == "claim":
-                if rec["state"] != st.ACTIVE:
-                    raise RuntimeError(f"restore {rid} is {rec['state']}; unit {uid} may not load")
-                self.journal.claim_unit(rid, uid)
-                log.info("restore %s: unit %d claimed", rid, uid)
-                faults.hit("controller.restore.after_claim")
-            elif action == "staged":
-                if rec["state"] != st.ACTIVE:
-                    raise RuntimeError(f"restore {rid} is {rec['state']}; unit {uid} must drop its "
-                                       f"staged rows")
-                self.journal.stage_unit(rid, uid, rows=int(body.get("rows", 0)),
-                                        bytes=int(body.get("bytes", 0)))
-                log.info("restore %s: unit %d staged %s rows", rid, uid, body.get("rows"))
-                faults.hit("controller.restore.after_staged")
-            elif action == "failed":
+            if action == "failed":
                 if rec["state"] == st.ACTIVE:
                     self.journal.fail_unit(rid, uid, str(body.get("error", ""))[:2000])
                 log.warning("restore %s: unit %d failed: %s", rid, uid, body.get("error"))
@@ -201,22 +211,43 @@ class RestoreProtocol:
             raise RuntimeError(str(exc)) from None
         return {"ok": True}
 
+    def _refusal(self, rid: str, uid: int, action: str, exc: BaseException) -> Exception:
+        """The error answering a claim or staged report the journal refused."""
+        rec = self.journal.get_restore(rid)
+        if rec is None:
+            return RuntimeError(f"restore {rid} is unknown to this controller")
+        if rec["state"] != st.ACTIVE:
+            what = "may not load" if action == "claim" else "must drop its staged rows"
+            return RuntimeError(f"restore {rid} is {rec['state']}; unit {uid} {what}")
+        if isinstance(exc, KeyError):
+            return KeyError(exc.args[0] if exc.args else f"restore {rid}: no claim for unit {uid}")
+        return RuntimeError(str(exc))
+
     def finish_restore(self, body, req):
         """Commit (decision journaled first, then units apply, then metadata) or abandon."""
         rid = body["restore_id"]
+        plan = self.restores.get(rid)
+        if plan is not None and body.get("commit") and not body.get("cancel"):
+            # The usual case first: the decision's own transaction checks that every claim
+            # is staged; if it refuses, the journal is read below and decides as always.
+            try:
+                decided = self.journal.decide_commit(rid, self._encoded(plan))
+            except (KeyError, IllegalTransition):
+                decided = None
+            if decided is not None:
+                return self._outcome(self._commit(plan, decided))
         rec = self.journal.get_restore(rid)
         if rec is None:
             raise RuntimeError(f"restore {rid} is unknown to this controller")
         if rec["state"] in st.RESTORE_FINAL:
             return self._outcome(rec)
-        plan = self.restores.get(rid)
         if rec["state"] == st.COMMITTING:
             # The decision is journaled: whatever was asked, the only way is forward.
             if plan is None:
                 raise RuntimeError(f"restore {rid} is committing but this controller has no "
                                    f"plan for it")
             try:
-                self._commit(plan)
+                return self._outcome(self._commit(plan))
             except RestorePendingError as exc:
                 if not (body.get("cancel") and exc.reason == "redo_failed"):
                     raise
@@ -236,7 +267,7 @@ class RestoreProtocol:
                         "not every unit staged its rows: " + ", ".join(
                             f"unit {u}: {s}" for u, s in sorted(states.items()))}
         if commit and plan is not None:
-            self._commit(plan)
+            return self._outcome(self._commit(plan))
         else:
             outcome = st.CANCELLED if body.get("cancel") else st.ABORTED
             self._abort(rid, plan, outcome, body.get("reason") or outcome)
@@ -248,8 +279,13 @@ class RestoreProtocol:
                 "units": {u["unit_id"]: u["state"] for u in rec["units"]}, "keys": rec["keys"],
                 "rows": rec["rows"], "bytes": rec["bytes"]}
 
-    def _commit(self, plan: RestorePlan) -> None:
-        """Roll a restore forward: decision, then every unit applies, then metadata.
+    def _encoded(self, plan: RestorePlan) -> bytes | None:
+        """The plan to store with the commit decision (when metadata is journaled)."""
+        return plan.encode() if self.metajournal.enabled else None
+
+    def _commit(self, plan: RestorePlan, decided: dict | None = None) -> dict:
+        """Roll a restore forward: decision (``decided``: already journaled, its record),
+        then every unit applies, then metadata; returns the committed restore's record.
 
         Once decided, a commit only moves forward. An apply that fails or gets no reply is
         retried with the same request ID (so a unit applies once); if a unit still has not
@@ -257,10 +293,11 @@ class RestoreProtocol:
         FINISH_RESTORE (``recover_data_load``) continues from the journal.
         """
         rid = plan.restore_id
-        self.journal.decide_commit(rid, plan.encode() if self.metajournal.enabled else None)
+        rec = decided if decided is not None else self.journal.decide_commit(
+            rid, self._encoded(plan))
         log.info("restore %s: commit decided", rid)
         faults.hit("controller.restore.after_commit_decision")
-        todo = self._apply_everywhere(plan)
+        todo = self._apply_everywhere(plan, rec)
         if plan.redo_failed:
             why = "; ".join(f"unit {u}: {w}" for u, w in sorted(plan.redo_failed.items()))
             reason = f"redo_failed: {plan.dump_dir}: {why}"
@@ -291,8 +328,8 @@ class RestoreProtocol:
         change, schema = self.meta.plan_publish(plan.partition_id, plan.rows, plan.field_schema)
         # The published metadata and the end of the restore are one journal transaction.
         faults.hit("controller.meta.restore_publish.before_commit")
-        self.journal.finish_restore(rid, st.COMMITTED, None,
-                                    meta_change=change if self.metajournal.enabled else None)
+        done = self.journal.finish_restore(rid, st.COMMITTED, None,
+                                           meta_change=change if self.metajournal.enabled else None)
         faults.hit("controller.meta.restore_publish.after_commit")
         self.meta.apply_publish(plan.partition_id, change, schema)
         for idx in plan.new_indexes:
@@ -301,6 +338,7 @@ class RestoreProtocol:
         faults.hit("controller.restore.after_publish")
         faults.hit("controller.meta.restore_publish.before_reply")
         log.info("restore %s: committed (%d keys)", rid, len(plan.rows))
+        return done
 
     def _abort(self, rid: str, plan: RestorePlan | None, outcome: str, reason: str) -> None:
         rec = self.journal.get_restore(rid)
@@ -333,13 +371,14 @@ class RestoreProtocol:
     # the restore was published) gets REDO_RESTORE, re-reads and verifies its rows from the
     # dump, then APPLY_STAGED again. See docs/data_dump.md, "Roll-forward from the dump".
 
-    def _apply_everywhere(self, plan) -> list[int]:
+    def _apply_everywhere(self, plan, rec: dict | None = None) -> list[int]:
         """APPLY_STAGED on every unit of a committing restore, rolling forward from the dump
         (REDO_RESTORE, then APPLY_STAGED) each unit that answers ``lost``. Returns the units
         that have not applied (not registered or not answering); ``plan.redo_failed`` names
-        those the dump could not serve."""
+        those the dump could not serve. ``rec``: the restore's journal record, if at hand."""
         rid = plan.restore_id
-        rec = self.journal.get_restore(rid)
+        if rec is None:
+            rec = self.journal.get_restore(rid)
         # Units journaled applied are asked again: one that restarted since answers lost.
         todo = [u["unit_id"] for u in rec["units"] if u["state"] in (st.STAGED, st.APPLIED)]
         redo_rid = new_id()  # fresh per roll-forward, so a repaired dump is read again

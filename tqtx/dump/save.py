@@ -12,6 +12,7 @@ import time
 
 from .. import faults, paths
 from .. import format as fmt
+from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
 from ..validate import check_utf8
 from ..version import __version__
@@ -37,6 +38,7 @@ class DumpHandle:
         self.dump_id = dump_id
         self._done = threading.Event()
         self._snapshot = threading.Event()
+        self._resumed = threading.Event()
         self._result: dict | None = None
         self._error: BaseException | None = None
         self._cancel = threading.Event()
@@ -91,13 +93,32 @@ def settle_background_dumps(*, cancel: bool = False) -> dict:
     return report
 
 
+_warm_lock = threading.Lock()
+_warmed = False
+
+
+def warm() -> None:
+    """The first dump's once-per-process work, done ahead (see :func:`tqtx.api.init`)."""
+    global _warmed
+    with _warm_lock:
+        if _warmed:
+            return
+        _warmed = True
+    import numpy  # noqa: F401 -- _per_unit's
+    from ..journal.migrate import DUMP, warm as warm_journal
+    from ..placement import probe  # noqa: F401
+    from . import load  # noqa: F401 -- check_no_reader's
+    warm_journal(DUMP)
+
+
 def normalize_keys(keys) -> list[str]:
     if isinstance(keys, str):
         raise TypeError("keys must be a list of str, not a single str")
     out = list(dict.fromkeys(keys))  # duplicates dropped, first wins
-    bad = [k for k in out if not isinstance(k, str)]
-    if bad:
-        raise TypeError(f"keys must be str; got {type(bad[0]).__name__} {bad[0]!r}")
+    if not set(map(type, out)) <= {str}:  # C-level scan; str subclasses are looked at below
+        bad = [k for k in out if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"keys must be str; got {type(bad[0]).__name__} {bad[0]!r}")
     check_utf8("keys", out)
     return out
 
@@ -109,6 +130,7 @@ def check_no_reader(client, journal: DumpJournal, dump_dir: str) -> None:
         settle_reader(client, journal, dump_dir, row, action="a dump replacing it")
 
 
+@gc_paused  # per-row objects, no cycles (see tqtx.gcpause)
 def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str = "units",
                      block: bool = True):
     """See :func:`tqtx.dump_data_by_key`."""
@@ -126,15 +148,22 @@ def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str
     handle = DumpHandle(dump_dir, new_id())
     t0 = time.perf_counter()
     if block:
-        _run(client, handle, keys, partition_id, via)
+        _run(client, handle, keys, partition_id, via, None, t0)
         return handle.result()
+    # The metadata round trip (and its O(rows) work) runs in this thread; the dump's thread
+    # takes the lock (held until it publishes) and the units' snapshots, then hands back.
     handle.background = True
+    described = _describe(client, handle, keys, partition_id, via)
     with _handles_lock:
         _handles[handle.dump_id] = handle
-    thread = threading.Thread(target=_run, args=(client, handle, keys, partition_id, via),
+    thread = threading.Thread(target=_run,
+                              args=(client, handle, keys, partition_id, via, described, t0),
                               name=f"tqtx-dump-{handle.dump_id[:8]}", daemon=True)
     thread.start()
-    handle._snapshot.wait()
+    try:
+        handle._snapshot.wait()
+    finally:
+        handle._resumed.set()
     handle.critical_path_seconds = time.perf_counter() - t0
     if handle.done() and handle._error is not None:
         with _handles_lock:
@@ -143,34 +172,50 @@ def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str
     return handle
 
 
-def _run(client, handle: DumpHandle, keys, pid, via) -> None:
+def _run(client, handle: DumpHandle, keys, pid, via, described, t0) -> None:
     try:
-        handle._result = _dump(client, handle, keys, pid, via)
+        handle._result = _dump(client, handle, keys, pid, via, described, t0)
     except BaseException as exc:
         handle._error = exc
     finally:
+        handle._done.set()  # before _snapshot: a caller woken by a failure sees it done
         handle._snapshot.set()
-        handle._done.set()
 
 
-def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> dict:
-    t0 = time.perf_counter()
-    dump_dir, dump_id = handle.dump_dir, handle.dump_id
+def _describe(client, handle: DumpHandle, keys: list[str], pid: str, via: str):
+    """The rows' metadata (DESCRIBE) and the request to each owner unit."""
     # Metadata first: unknown partition or keys fail here, before anything touches the disk.
     desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", {"partition_id": pid, "keys": keys})
-    indexes, field_sets, fields_of = desc["indexes"], desc["field_sets"], desc["fields_of"]
-    per_unit: dict[int, dict] = {}
-    if via == "units":
-        for idx, sid in zip(indexes, fields_of):
-            if not field_sets[sid]:
-                continue  # a row without fields: only the row index records it
-            u = client.owner(idx)
-            req = per_unit.get(u)
-            if req is None:
-                req = per_unit[u] = {"dump_id": dump_id, "unit_id": u, "indexes": [],
-                                     "fields_of": [], "field_sets": field_sets}
-            req["indexes"].append(idx)
-            req["fields_of"].append(sid)
+    per_unit = _per_unit(client, handle.dump_id, desc) if via == "units" else {}
+    return desc, per_unit
+
+
+def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
+    """Group the rows with fields by owner unit (``client.owner``: index mod units),
+    vectorized: no Python work per row, which matters on a background dump's call path."""
+    import numpy as np
+
+    field_sets = desc["field_sets"]
+    idx = np.asarray(desc["indexes"], dtype=np.int64)
+    sid = np.asarray(desc["fields_of"], dtype=np.int64)
+    if not len(idx):
+        return {}
+    has_fields = np.asarray([bool(fs) for fs in field_sets])[sid]  # fieldless: row index only
+    owner = idx % client.num_units
+    per_unit = {}
+    for u in range(client.num_units):
+        sel = has_fields & (owner == u)
+        if not sel.any():
+            continue
+        per_unit[u] = {"dump_id": dump_id, "unit_id": u, "indexes": idx[sel].tolist(),
+                       "fields_of": sid[sel].tolist(), "field_sets": field_sets}
+    return per_unit
+
+
+def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, described,
+          t0: float) -> dict:
+    dump_dir, dump_id = handle.dump_dir, handle.dump_id
+    desc, per_unit = described or _describe(client, handle, keys, pid, via)
     snapshotted = False
     try:
         # The lock comes before the snapshot, so dumps to one path publish in call order
@@ -179,19 +224,24 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
             if handle.background and per_unit:
                 # The caller gets control back once every owner unit holds its snapshot;
                 # the staging directory and the writing happen after that.
-                client.fan_out("DUMP_SNAPSHOT", per_unit)
+                try:
+                    client.fan_out("DUMP_SNAPSHOT", per_unit)
+                except BaseException:
+                    _cancel_units(client, dump_id, per_unit)  # those that did snapshot
+                    raise
                 snapshotted = True
                 handle._on_cancel = lambda: _cancel_units(client, dump_id, per_unit)
-            handle._snapshot.set()
+            if handle.background:
+                handle._snapshot.set()
+                handle._resumed.wait()  # the caller runs first (else it waits for the GIL)
             faults.hit("client.dump.after_snapshot")
             if handle._cancel.is_set():
                 raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
-            rows = [[k, i, field_sets[sid], t]
-                    for k, i, sid, t in zip(keys, indexes, fields_of, desc["tags"])]
-            with_data = [r for r in rows if r[2]]
-            recover_publications(dump_dir)
-            paths.check_publish_target(dump_dir, "dump")  # again, now under the lock
+            rows, with_data = _rows(keys, desc)
+            # One journal connection for the whole publication, recovery included.
             with DumpJournal(dump_dir) as journal:
+                recover_publications(dump_dir, journal)
+                paths.check_publish_target(dump_dir, "dump")  # again, now under the lock
                 check_no_reader(client, journal, dump_dir)
                 pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
                 try:
@@ -204,20 +254,8 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
                     else:
                         written = _client_write(client, pub.staging_dir, pid, keys, with_data)
                     faults.hit("client.dump.after_units_written")
-                    shards, payload = [], 0
-                    for u, reply in sorted(written.items()):
-                        index_entry = fmt.write_shard_index(pub.staging_dir, u, reply["entries"])
-                        shards.append({"unit": u, "file": fmt.shard_file_name(u),
-                                       "size": reply["bytes"], "records": len(reply["entries"]),
-                                       "index": index_entry})
-                        payload += reply["bytes"]
-                    row_index = fmt.write_row_index(pub.staging_dir, partition_id=pid,
-                                                    dump_id=dump_id,
-                                                    field_schema=desc["field_schema"], rows=rows)
-                    fmt.write_manifest(pub.staging_dir, dump_id=dump_id, partition_id=pid,
-                                       keys=len(rows), rows_with_data=len(with_data),
-                                       bytes=payload, row_index=row_index, shards=shards,
-                                       writer=via, tqtx_version=__version__)
+                    shards = _write_indexes(pub.staging_dir, dump_id, pid, via, desc, rows,
+                                            with_data, written)
                     if handle._cancel.is_set():
                         raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
                     pub.mark_written()
@@ -247,6 +285,33 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str) -> di
              len(with_data), dump_dir, total, report["seconds"])
     client.count("dumps", len(with_data), total)
     return report
+
+
+@gc_paused  # also in a background dump's thread: a short, O(rows) step
+def _rows(keys: list[str], desc: dict) -> tuple[list, list]:
+    """Row-index rows ``[key, index, fields, tag]``, and those with fields."""
+    field_sets = desc["field_sets"]
+    rows = [[k, i, field_sets[sid], t]
+            for k, i, sid, t in zip(keys, desc["indexes"], desc["fields_of"], desc["tags"])]
+    return rows, [r for r in rows if r[2]]
+
+
+@gc_paused
+def _write_indexes(staging, dump_id: str, pid: str, via: str, desc: dict, rows: list,
+                   with_data: list, written: dict) -> list[dict]:
+    """Write the shard indexes, the row index and the manifest; returns the shard list."""
+    shards, payload = [], 0
+    for u, reply in sorted(written.items()):
+        index_entry = fmt.write_shard_index(staging, u, reply["entries"])
+        shards.append({"unit": u, "file": fmt.shard_file_name(u), "size": reply["bytes"],
+                       "records": len(reply["entries"]), "index": index_entry})
+        payload += reply["bytes"]
+    row_index = fmt.write_row_index(staging, partition_id=pid, dump_id=dump_id,
+                                    field_schema=desc["field_schema"], rows=rows)
+    fmt.write_manifest(staging, dump_id=dump_id, partition_id=pid, keys=len(rows),
+                       rows_with_data=len(with_data), bytes=payload, row_index=row_index,
+                       shards=shards, writer=via, tqtx_version=__version__)
+    return shards
 
 
 def _cancel_units(client, dump_id: str, per_unit: dict) -> None:

@@ -125,38 +125,75 @@ def _metadata(chain: str):
     return models.ControllerBase.metadata if chain == CONTROLLER else models.DumpBase.metadata
 
 
+_VERSION_TABLE = ("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
+                  "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))")
+
+
+@functools.lru_cache(maxsize=None)
+def head_schema_sql(chain: str) -> tuple[str, ...]:
+    """The statements creating ``chain``'s head schema, as ``create_all`` of the models
+    emits them (tables in dependency order, each followed by its indexes) plus alembic's
+    version table: compiled once per process, so a new journal costs a few plain
+    statements instead of a metadata walk with a reflection query per table."""
+    from sqlalchemy.dialects import sqlite
+    from sqlalchemy.schema import CreateIndex, CreateTable
+
+    dialect = sqlite.dialect()
+    out = []
+    for table in _metadata(chain).sorted_tables:
+        out.append(str(CreateTable(table).compile(dialect=dialect)))
+        out.extend(str(CreateIndex(ix).compile(dialect=dialect))
+                   for ix in sorted(table.indexes, key=lambda ix: ix.name or ""))
+    return (*out, _VERSION_TABLE)
+
+
+def warm(chain: str = DUMP) -> None:
+    """Do the once-per-process work of opening a new ``chain`` journal ahead of time:
+    compile its schema and run it once through the SQLite driver (in memory)."""
+    engine = create_engine("sqlite://")
+    try:
+        with engine.begin() as conn:
+            for stmt in head_schema_sql(chain):
+                conn.exec_driver_sql(stmt)
+            _stamped_revision(conn)
+    finally:
+        engine.dispose()
+
+
 def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
                    revision: str = "head") -> tuple[str | None, str | None]:
     """Upgrade the database behind ``engine`` to ``revision`` of ``chain``.
 
     Serialized across processes by ``<db>.migrate.lock``; the whole upgrade runs in one
     BEGIN IMMEDIATE transaction. A brand-new journal going to head is created from the
-    models and stamped (the same schema the migrations build, proven by a test), which
-    keeps alembic off the path of every dump to a new directory. Returns
-    (revision before, revision after).
+    models (:func:`head_schema_sql`) and stamped (the same schema the migrations build,
+    proven by a test), which keeps alembic off the path of every dump to a new directory.
+    Returns (revision before, revision after).
     """
     target_id = HEADS[chain] if revision == "head" else revision
     with engine.connect() as conn:
         before = _stamped_revision(conn)
     if before == target_id:
         return before, before
+    created = False
     with FileLock(os.fspath(migrate_lock_path(db_path))):
         with engine.begin() as conn:
             before = _stamped_revision(conn)
             if before == target_id:
                 return before, before
             if before is None and revision == "head" and _is_empty(conn):
-                _metadata(chain).create_all(conn)
-                conn.exec_driver_sql("CREATE TABLE alembic_version (version_num VARCHAR(32) "
-                                     "NOT NULL, CONSTRAINT alembic_version_pkc PRIMARY KEY "
-                                     "(version_num))")
+                for stmt in head_schema_sql(chain):
+                    conn.exec_driver_sql(stmt)
                 conn.exec_driver_sql("INSERT INTO alembic_version (version_num) VALUES (?)",
                                      (target_id,))
+                created = True
             else:
                 from alembic import command
 
                 target = f"{chain}@head" if revision == "head" else revision
                 command.upgrade(alembic_config(chain, conn), target)
+    if created:  # committed just above: no need to read the stamp back
+        return before, target_id
     with engine.connect() as conn:
         return before, _stamped_revision(conn)
 

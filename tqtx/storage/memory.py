@@ -65,7 +65,7 @@ def trim() -> bool:
 class Trimmer:
     """Calls :func:`trim` when malloc's free bytes grew by ``threshold`` since the last trim
     (memory stays bounded during a long burst of drops), and once more when they stopped
-    changing for ``quiet_checks`` checks in a row at another value than right after the last
+    changing (by less than ``QUIET_BYTES``) for ``quiet_checks`` checks in a row at another value than right after the last
     trim (the unit went quiet after freeing rows: settle at idle + live). Waiting for quiet
     rather than trimming at once lets a put that follows a clear (the usual training loop)
     reuse the freed pages instead of faulting fresh ones."""
@@ -84,7 +84,9 @@ class Trimmer:
         free = free_bytes()
         if free is None:
             return False
-        self._same = self._same + 1 if free == self._last else 0
+        # "the same" within QUIET_BYTES: a quiet unit still allocates a little (heartbeats,
+        # stats), which must not keep it from ever counting as quiet
+        self._same = self._same + 1 if abs(free - self._last) < QUIET_BYTES else 0
         self._last = free
         if free < self._base:
             self._base = free  # freed memory was reused: measure growth from here

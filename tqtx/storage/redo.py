@@ -11,8 +11,7 @@ import time
 from .. import faults
 from .. import format as fmt
 from ..errors import DumpFormatError
-from ..schema import validate_row
-from ..wire.values import value_nbytes
+from .loading import read_and_check
 
 log = logging.getLogger("tqtx.unit")
 
@@ -76,27 +75,24 @@ class RedoRestore:
                 f"{dump_dir}: now holds dump {index.dump_id}, not dump {body['dump_id']} that "
                 f"restore {rid} read")
         locations = index.record_locations()
-        schema = body["field_schema"]
         by_shard: dict[str, list] = {}
-        targets: dict[int, list] = {}
+        targets: dict[tuple[str, int], list] = {}
         for dest, fresh, src in body["items"]:
             if src not in locations:
                 raise DumpFormatError(f"{dump_dir}: has no record of global index {src}")
-            if src not in targets:
-                path, offset, length, crc = locations[src]
-                by_shard.setdefault(str(path), []).append([src, offset, length, crc])
-            targets.setdefault(src, []).append((dest, bool(fresh)))
+            path, offset, length, crc = locations[src]
+            key = (str(path), src)
+            if key not in targets:
+                by_shard.setdefault(key[0], []).append([src, offset, length, crc])
+            targets.setdefault(key, []).append((dest, bool(fresh)))
         staged: dict[int, tuple[bool, dict]] = {}
-        nbytes = 0
-        for path, entries in by_shard.items():
-            for batch in fmt.read_records(path, entries, batch=128):
-                for src, row in batch:
-                    validate_row(row, schema, where=f"{path} record of global index {src}")
-                    for dest, fresh in targets[src]:
-                        staged[dest] = (fresh, row)
-                    nbytes += sum(value_nbytes(v) for v in row.values())
+        nbytes = read_and_check(by_shard, targets, body["field_schema"], staged, _nothing)
         faults.hit("unit.redo.after_read")
         with self.lock:
             if rid not in self.applied:
                 self.staging[rid] = staged
         return {"rows": len(staged), "bytes": nbytes, "redone": True}
+
+
+def _nothing() -> None:
+    pass

@@ -18,13 +18,15 @@ from .. import faults
 from .. import format as fmt
 from ..errors import PeerTimeoutError
 from ..placement.probe import node_name, unit_probe
-from ..schema import validate_row
+from ..wire import shm
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server, new_id
-from ..wire.values import RawTensor, value_nbytes
+from ..wire.values import value_nbytes
+from . import loading
 from .attach import UnitAttach
 from .memory import own_small_frames
 from .redo import RedoRestore
+from .replies import reply_columns
 
 log = logging.getLogger("tqtx.unit")
 
@@ -48,6 +50,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.applied_checkpoint: str | None = None
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"unit{unit_id}-io")
         self.started = time.time()
+        self.reply_files = shm.ReplyFiles(unit_id)
         self._init_attach()
         s = self.server
         for op, fn, mutating in [
@@ -130,7 +133,8 @@ class StorageUnit(RedoRestore, UnitAttach):
                 out.append([row[f] for f in fields])
             except KeyError as exc:
                 raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc}") from None
-        return {"columns": [_pack_column([r[j] for r in out]) for j in range(len(fields))]}
+        return reply_columns([[r[j] for r in out] for j in range(len(fields))],
+                             body.get("shm"), self.reply_files)
 
     def drop_rows(self, body, req):
         n = freed = 0
@@ -147,11 +151,14 @@ class StorageUnit(RedoRestore, UnitAttach):
         """Snapshot the selected rows by reference now; write the shard in a worker thread."""
         snapshot = []
         rows, field_sets = self.rows, body["field_sets"]
+        wanted = [frozenset(fs) for fs in field_sets]
         for idx, sid in zip(body["indexes"], body["fields_of"]):
             row = rows.get(idx)
             if row is None:
                 raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
-            snapshot.append((idx, {f: row[f] for f in field_sets[sid]}))
+            if row.keys() != wanted[sid]:  # else the row itself: puts copy on write
+                row = {f: row[f] for f in field_sets[sid]}
+            snapshot.append((idx, row))
         job = DumpJob(body["dump_id"], body.get("path"), snapshot, self.unit_id)
         self.dump_jobs[job.dump_id] = job
         job.future.add_done_callback(lambda _f: self._account_dump(job))
@@ -228,32 +235,34 @@ class StorageUnit(RedoRestore, UnitAttach):
         peer = self.controller()
         staged: dict[int, tuple[bool, dict]] = {}
         claimed = False
+        claim = None
         try:
             claimed = True  # from here on the controller may have journaled our claim
-            self._report(peer, {"restore_id": rid, "unit_id": self.unit_id, "action": "claim"})
-            log.info("restore %s: unit %d claimed %d rows", rid, self.unit_id, len(body["items"]))
-            faults.hit("unit.load.after_claim")
-            schema = body["field_schema"]
-            by_shard: dict[str, list] = {}
-            targets: dict[tuple[str, int], list] = {}
-            for dest, fresh, path, offset, length, crc, src in body["items"]:
-                key = (path, src)
-                if key not in targets:
-                    by_shard.setdefault(path, []).append([src, offset, length, crc])
-                targets.setdefault(key, []).append((dest, fresh))
-            nbytes = 0
-            for path, entries in by_shard.items():
-                for batch in fmt.read_records(path, entries, batch=128):
-                    for src, row in batch:
-                        where = f"{path} record of global index {src}"
-                        validate_row(row, schema, where=where)
-                        for dest, fresh in targets[(path, src)]:
-                            staged[dest] = (fresh, row)
-                        nbytes += sum(value_nbytes(v) for v in row.values())
-                    faults.hit("unit.load.after_read_batch")
-                    if rid in self.dropped:
-                        raise RuntimeError(f"restore {rid} was abandoned while unit "
-                                           f"{self.unit_id} was loading")
+            # Reading changes nothing: the claim travels while the first batch is read, and
+            # its reply is awaited before anything is staged (loading.py).
+            claim = loading.Report(peer, {"restore_id": rid, "unit_id": self.unit_id,
+                                          "action": "claim"})
+
+            def claimed_then_check():
+                nonlocal claim
+                if claim is not None:
+                    pending, claim = claim, None
+                    pending.wait()
+                    log.info("restore %s: unit %d claimed %d rows", rid, self.unit_id,
+                             len(body["items"]))
+                    faults.hit("unit.load.after_claim")
+
+            def after_batch():
+                claimed_then_check()
+                faults.hit("unit.load.after_read_batch")
+                if rid in self.dropped:
+                    raise RuntimeError(f"restore {rid} was abandoned while unit "
+                                       f"{self.unit_id} was loading")
+
+            by_shard, targets = loading.plan_reads(body["items"])
+            nbytes = loading.read_and_check(by_shard, targets, body["field_schema"], staged,
+                                            after_batch)
+            claimed_then_check()
             with self.lock:
                 if rid in self.dropped:
                     raise RuntimeError(f"restore {rid} was abandoned while unit {self.unit_id} "
@@ -282,6 +291,11 @@ class StorageUnit(RedoRestore, UnitAttach):
             log.error("restore %s: unit %d failed: %s", rid, self.unit_id, exc)
             staged.clear()
             if claimed:
+                try:
+                    if claim is not None and not claim.done:
+                        claim.wait()  # a claim still in flight: our failure report follows it
+                except Exception:  # noqa: BLE001 - the failure below is what gets reported
+                    pass
                 try:
                     self._report(peer, {"restore_id": rid, "unit_id": self.unit_id,
                                         "action": "failed", "error": str(exc)})
@@ -432,6 +446,7 @@ class StorageUnit(RedoRestore, UnitAttach):
                 "uptime": time.time() - self.started, "address": self.address,
                 "rows": len(self.rows), "bytes": self.bytes_held,
                 "staged_restores": list(self.staging), "metrics_enabled": m.enabled,
+                "reply_files": self.reply_files.files,
                 "ops": m.ops_snapshot(), "totals": m.totals_snapshot()}
 
     def serve_forever(self) -> None:
@@ -488,25 +503,4 @@ class DumpJob:
         finally:
             self.snapshot = []  # release the rows kept alive by the snapshot
             self.future.set_result(None)
-
-
-# pyzmq copies a frame under 64 KiB into its message anyway; from 64 KiB on it sends the
-# row's own buffer, so joining such rows would only add a copy (for 64 KiB rows the join
-# was 250-340 ms of a unit's 64 MiB reply, sending them as frames 5-18 ms).
-PACK_ROW_LIMIT = (1 << 16) - 1
-
-
-def _pack_column(values: list) -> dict:
-    """One reply column. Tensors of one dtype under 64 KiB a row travel as one joined frame
-    (``{"p": [dtype, shapes, bytes]}``): one copy here saves a frame, an allocation and a
-    header per row at both ends. Anything else goes as a list of values (``{"v": [...]}``),
-    each larger tensor as its own frame, sent without a copy."""
-    if len(values) > 1 and all(type(v) is RawTensor for v in values):
-        dtype = values[0].dtype
-        if all(v.dtype == dtype for v in values) and \
-                max(memoryview(v.data).nbytes for v in values) <= PACK_ROW_LIMIT:
-            joined = b"".join([v.data for v in values])
-            return {"p": [dtype, [v.shape for v in values],
-                          RawTensor("uint8", (len(joined),), joined)]}
-    return {"v": values}
 

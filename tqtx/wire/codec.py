@@ -27,16 +27,16 @@ class CodecError(ValueError):
 def encode(obj) -> list:
     """Encode ``obj`` into ``[header, *frames]``; frames are the tensors' own buffers."""
     frames: list = []
+    pack = msgpack.Packer(use_bin_type=True).pack  # one per message: packb makes one per call
+    ext = msgpack.ExtType
 
     def default(value):
-        if isinstance(value, RawTensor):
+        if type(value) is RawTensor or isinstance(value, RawTensor):
             view = memoryview(value.data)
             if view.nbytes <= INLINE_LIMIT:
-                return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
-                    [value.dtype, list(value.shape), view.tobytes()], use_bin_type=True))
+                return ext(EXT_TENSOR_INLINE, pack([value.dtype, value.shape, view.tobytes()]))
             frames.append(view)
-            return msgpack.ExtType(EXT_TENSOR_FRAME, msgpack.packb(
-                [value.dtype, list(value.shape), len(frames)], use_bin_type=True))
+            return ext(EXT_TENSOR_FRAME, pack([value.dtype, value.shape, len(frames)]))
         if isinstance(value, (set, frozenset)):
             return sorted(value)
         raise TypeError(f"cannot encode value of type {type(value).__name__}")

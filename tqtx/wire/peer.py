@@ -17,7 +17,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ..errors import PeerDiedError, PeerTimeoutError
 from .codec import decode, encode
 from .errors import raise_remote
-from .rpc import DEFAULT_TIMEOUT, _context, new_id
+from .rpc import DEFAULT_TIMEOUT, _context, new_id, recv_frames, send_frames
 
 CONNECT_TIMEOUT = float(os.environ.get("TQTX_CONNECT_TIMEOUT", "5"))
 _LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -100,7 +100,7 @@ class Peer:
         self._link_events()
         self._lost = False  # only a close after this request means the server lost it
         self._sent_at = time.monotonic()
-        sock.send_multipart(frames, copy=False)
+        send_frames(sock, frames)
         return rid
 
     def receive(self, rid: str, op: str, deadline: float, sent_at: float | None = None):
@@ -118,7 +118,7 @@ class Peer:
                 raise PeerTimeoutError(
                     f"{self.name} at {self.address} did not reply to {op} within "
                     f"{time.monotonic() - waited_from:.1f}s")
-            frames = sock.recv_multipart(copy=False)
+            frames = recv_frames(sock)
             reply = self._decode(frames)
             if reply.get("rid") != rid:
                 continue  # a stale reply to an earlier, abandoned request
@@ -212,7 +212,7 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
     def read(peer):
         while True:
             try:
-                frames = peer.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(peer.socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
             reply = peer._decode(frames)

@@ -1,0 +1,107 @@
+"""kv_batch_get through same-host reply files with real unit processes: exact values for
+every column kind, the result is the client's own copy, no file is left behind, and the
+path can be turned off."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+import tqtx as tq
+from tqtx import api
+
+
+def _batch(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    jag = [torch.randint(0, 1000, (int(k),), generator=g) for k in
+           torch.randint(1, 400, (n,), generator=g)]
+    td = TensorDict({
+        "dense": torch.rand(n, 33, generator=g),
+        "tokens": torch.nested.nested_tensor(jag, layout=torch.jagged),
+        "reward": torch.rand(n, generator=g),
+        "text": NonTensorStack(*[f"sample {i}" for i in range(n)]),
+    }, batch_size=[n])
+    return td, jag
+
+
+def _unit_files() -> list[int]:
+    return [u["reply_files"] for u in tq.get_client().stats()["units"]]
+
+
+def _check(got, td, jag, idx):
+    assert torch.equal(got["dense"], td["dense"][idx])
+    assert torch.equal(got["reward"], td["reward"][idx])
+    assert all(torch.equal(a, jag[i]) for a, i in zip(got["tokens"].unbind(), idx))
+    assert list(got["text"]) == [f"sample {i}" for i in idx]
+
+
+@pytest.fixture
+def files_on(monkeypatch, tq_start):
+    monkeypatch.setenv("TQTX_SHM_MIN_BYTES", "0")  # units read it at start
+    monkeypatch.setenv("TQTX_SHM_RESERVE_BYTES", "0")
+    tq_start(3)
+
+
+def test_get_through_reply_files_is_exact_and_leaves_nothing(files_on, pid):
+    n = 60
+    td, jag = _batch(n, 1)
+    keys = [f"k{i}" for i in range(n)]
+    tq.kv_batch_put(keys, pid, td)
+    got = tq.kv_batch_get(keys, pid)
+    _check(got, td, jag, list(range(n)))
+    assert all(f >= 1 for f in _unit_files())
+    sub = [41, 0, 7, 59, 3]
+    _check(tq.kv_batch_get([keys[i] for i in sub], pid), td, jag, sub)
+    part = tq.kv_batch_get(keys[:9], pid, select_fields=["tokens", "text"])
+    assert set(part.keys()) == {"tokens", "text"}
+    inbox = tq.get_client().reply_inbox()
+    assert os.listdir(inbox.dir) == [".tqtx-get-probe"]  # every reply file was unlinked
+    # the result is the client's own copy: an overwrite on the units changes nothing in it
+    td2, _ = _batch(n, 2)
+    tq.kv_batch_put(keys, pid, td2)
+    _check(got, td, jag, list(range(n)))
+    assert torch.equal(tq.kv_batch_get(keys, pid)["dense"], td2["dense"])
+    tq.close()
+    assert not os.path.exists(inbox.dir)
+
+
+def test_transferqueue_layout_reads_reply_files_too(files_on, pid):
+    n = 12
+    td, jag = _batch(n, 3)
+    keys = [f"k{i}" for i in range(n)]
+    tq.kv_batch_put(keys, pid, td)
+    api._compat = "transferqueue"
+    try:
+        got = tq.kv_batch_get(keys + ["missing"], pid)
+    finally:
+        api._compat = "tqtx"
+    assert got.batch_size[0] == n
+    assert all(torch.equal(a, b) for a, b in zip(got["dense"].unbind(), td["dense"].unbind()))
+    assert all(torch.equal(a, b) for a, b in zip(got["tokens"].unbind(), jag))
+
+
+def test_turned_off_means_frames(monkeypatch, tq_start, pid):
+    monkeypatch.setenv("TQTX_SHM_MIN_BYTES", "0")
+    monkeypatch.setenv("TQTX_SHM_DIR", "off")
+    tq_start(2)
+    n = 20
+    td, jag = _batch(n, 4)
+    keys = [f"k{i}" for i in range(n)]
+    tq.kv_batch_put(keys, pid, td)
+    _check(tq.kv_batch_get(keys, pid), td, jag, list(range(n)))
+    assert _unit_files() == [0, 0] and tq.get_client().reply_inbox() is None
+
+
+def test_small_gets_stay_on_frames(tq_start, pid):
+    tq_start(2)  # default floor: 1 MiB of tensor bytes per unit reply
+    td, jag = _batch(10, 5)
+    keys = [f"k{i}" for i in range(10)]
+    tq.kv_batch_put(keys, pid, td)
+    _check(tq.kv_batch_get(keys, pid), td, jag, list(range(10)))
+    assert _unit_files() == [0, 0]
+    big = torch.rand(8, 1 << 17)  # 4 MiB: 2 MiB per unit
+    tq.kv_batch_put([f"b{i}" for i in range(8)], pid, TensorDict({"x": big}, batch_size=[8]))
+    assert torch.equal(tq.kv_batch_get([f"b{i}" for i in range(8)], pid)["x"], big)
+    assert _unit_files() == [1, 1]

@@ -1,0 +1,89 @@
+"""A unit's side of LOAD_ROWS: the claim sent ahead of the first read, and the read loop.
+
+Used by :meth:`tqtx.storage.unit.StorageUnit._load_job` (and the read loop by REDO_RESTORE).
+Reading changes nothing, so the unit's claim travels to the controller while the first
+batch is read; the claim's reply is awaited before anything is staged and before the
+first ``unit.load.after_read_batch`` point, so every fault point keeps its meaning.
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import format as fmt
+from ..errors import PeerTimeoutError
+from ..schema import row_checker
+from ..wire.peer import CONNECT_TIMEOUT, Peer
+from ..wire.rpc import new_id
+from ..wire.values import value_nbytes
+
+log = logging.getLogger("tqtx.unit")
+
+BATCH = 128  # rows per read batch (docs/data_dump.md: "<=128 rows per batch")
+
+
+class Report:
+    """A RESTORE_UNIT report sent now, its reply awaited by :meth:`wait`.
+
+    Retried like ``StorageUnit._report``: a lost reply is asked again with the same request
+    ID (the controller answers from its record); a controller that is gone is not retried.
+    """
+
+    def __init__(self, peer: Peer, body: dict, *, attempts: int = 3, timeout: float = 15.0):
+        if peer.connect_timeout is None:
+            peer.connect_timeout = CONNECT_TIMEOUT
+        self.peer, self.body, self.attempts, self.timeout = peer, body, attempts, timeout
+        self.rid = new_id()
+        self.done = False
+        peer.send("RESTORE_UNIT", body, self.rid)
+        self.sent_at = peer._sent_at
+
+    def wait(self):
+        """The controller's reply; raises what the controller answered (e.g. a refusal)."""
+        self.done = True
+        peer, body = self.peer, self.body
+        for attempt in range(self.attempts):
+            try:
+                if attempt == 0:
+                    return peer.receive(self.rid, "RESTORE_UNIT", self.sent_at + self.timeout,
+                                        self.sent_at)
+                return peer.call("RESTORE_UNIT", body, rid=self.rid, timeout=self.timeout)
+            except PeerTimeoutError:
+                if attempt == self.attempts - 1:
+                    raise
+                log.warning("restore %s: unit %s: no reply to RESTORE_UNIT %s; retrying",
+                            body["restore_id"], body["unit_id"], body["action"])
+
+
+def plan_reads(items) -> tuple[dict, dict]:
+    """LOAD_ROWS ``items`` ([dest, fresh, path, offset, length, crc, src]) as
+    ``(by_shard, targets)``: per shard path the distinct records to read
+    ([src, offset, length, crc]); per (path, src) the ``(dest, fresh)`` rows it fills."""
+    by_shard: dict[str, list] = {}
+    targets: dict[tuple[str, int], list] = {}
+    for dest, fresh, path, offset, length, crc, src in items:
+        key = (path, src)
+        t = targets.get(key)
+        if t is None:
+            by_shard.setdefault(path, []).append([src, offset, length, crc])
+            targets[key] = [(dest, fresh)]
+        else:
+            t.append((dest, fresh))
+    return by_shard, targets
+
+
+def read_and_check(by_shard: dict, targets: dict, schema: dict, staged: dict, after_batch):
+    """Read every record (checksums verified), check it against ``schema`` and put it in
+    ``staged`` ({dest: (fresh, row)}); ``after_batch()`` runs after each batch of at most
+    :data:`BATCH` rows. Returns the value bytes read (once per distinct record)."""
+    check = row_checker(schema)
+    nbytes = 0
+    for path, entries in by_shard.items():
+        for batch in fmt.read_records(path, entries, batch=BATCH):
+            for src, row in batch:
+                check(row, path, src)
+                for dest, fresh in targets[(path, src)]:
+                    staged[dest] = (fresh, row)
+                for v in row.values():
+                    nbytes += value_nbytes(v)
+            after_batch()
+    return nbytes

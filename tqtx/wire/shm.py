@@ -1,0 +1,267 @@
+"""Same-host GET_ROWS payload through a RAM file system instead of the TCP socket.
+
+A client makes one private directory under ``/dev/shm`` (mode 0700, named
+``tqtx-get-<pid>-<start time>-<random>``) holding a probe file with a random token, and names both in
+its ``GET_ROWS`` requests. A unit that can read that token at that path shares the
+client's host and file system namespace; it then writes the reply's tensor columns with
+``os.writev`` straight from its row buffers into a new file there (``O_EXCL|O_NOFOLLOW``,
+0600, never written again) and replies with where each column starts. The client opens
+the file, unlinks it at once and reads the rows with ``os.preadv`` straight into its
+result tensors: the result is the client's own copy, so a later overwrite on the unit
+changes nothing and no unit memory is pinned. A unit that cannot (other host, no
+``/dev/shm``, a full file system) answers with frames as before.
+
+Files of a client that died in the middle of a get stay in its directory; the next
+client on the host removes directories whose pid is gone, and only those that carry
+this module's marker file and belong to the same user.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import threading
+
+from ..pids import process_alive, process_started
+
+log = logging.getLogger("tqtx.shm")
+
+PREFIX = "tqtx-get-"
+PROBE = ".tqtx-get-probe"
+IOV_MAX = 1024  # os.sysconf("SC_IOV_MAX") on Linux; writev/preadv take at most this many
+# Replies with fewer tensor bytes than this go as frames: the file costs a few syscalls.
+MIN_BYTES = int(os.environ.get("TQTX_SHM_MIN_BYTES", str(1 << 20)))
+# What a reply file must leave free on the RAM file system, at the least (see write).
+RESERVE_BYTES = int(os.environ.get("TQTX_SHM_RESERVE_BYTES", str(256 << 20)))
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def default_root() -> str | None:
+    """The RAM file system clients use (``$TQTX_SHM_DIR``, ``/dev/shm``), or None:
+    ``TQTX_SHM_DIR=off`` (or a missing directory) turns the path off."""
+    root = os.environ.get("TQTX_SHM_DIR", "/dev/shm")
+    if root.lower() in ("", "0", "off", "none", "false"):
+        return None
+    return root if os.path.isdir(root) else None
+
+
+# ---------------------------------------------------------------- client side
+class GetInbox:
+    """The client's directory for reply files (one per client process)."""
+
+    def __init__(self, root: str):
+        sweep_stale(root)
+        self.token = secrets.token_hex(16)
+        self.pid = pid = os.getpid()
+        started = process_started(pid) or 0
+        self.dir = os.path.join(root, f"{PREFIX}{pid}-{started}-{secrets.token_hex(4)}")
+        os.mkdir(self.dir, 0o700)
+        fd = os.open(os.path.join(self.dir, PROBE), os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                     | _NOFOLLOW | _CLOEXEC, 0o600)
+        try:
+            os.write(fd, self.token.encode())
+        finally:
+            os.close(fd)
+        self.hint = {"dir": self.dir, "token": self.token}
+
+    def open_reply(self, name: str) -> int:
+        """Open reply file ``name`` (a plain name a unit wrote here) and unlink it: the
+        returned descriptor is then the only reference to its memory."""
+        if os.sep in name or name.startswith("."):
+            raise ValueError(f"bad reply file name {name!r}")
+        path = os.path.join(self.dir, name)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        os.unlink(path)
+        return fd
+
+    def hint_for(self, get_id: str) -> dict:
+        """What a GET_ROWS request carries: the inbox, its token and the get's ID (which
+        starts the names of the get's files)."""
+        return {"dir": self.dir, "token": self.token, "get": get_id}
+
+    def discard_get(self, get_id: str) -> None:
+        """Remove the files of get ``get_id`` that are still there (not opened: its get
+        failed, or a unit was asked twice)."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(get_id + "-"):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Remove the inbox (only in the process that made it, not in a forked child)."""
+        if os.getpid() == self.pid:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def sweep_stale(root: str) -> list[str]:
+    """Remove inbox directories under ``root`` left by dead clients of this user: named
+    ``tqtx-get-<pid>-*``, owned by us, holding the probe file, whose pid is gone."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        parts = name[len(PREFIX):].split("-")
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if len(parts) != 3 or not parts[0].isdigit() or st.st_uid != os.geteuid() \
+                    or not os.path.isdir(path) or os.path.islink(path) \
+                    or process_alive(int(parts[0]), parts[1]):
+                continue
+            if not os.path.isfile(os.path.join(path, PROBE)):
+                continue  # not made by this module: never touched
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+class ReplyFile:
+    """An open, already unlinked reply file; its memory is freed when it is closed."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self):
+        self.close()
+
+
+class FileRows:
+    """The rows of one column that a unit wrote into a reply file: their ``dtype``, their
+    ``shapes`` in request order and where the first starts (they follow back to back)."""
+
+    __slots__ = ("dtype", "shapes", "file", "offset")
+
+    def __init__(self, dtype: str, shapes: list, file: ReplyFile, offset: int):
+        self.dtype, self.shapes, self.file, self.offset = dtype, shapes, file, offset
+
+
+def preadv_into(fd: int, views: list, offset: int) -> None:
+    """Fill ``views`` (writable buffers, in file order) from ``fd`` at ``offset``."""
+    for start in range(0, len(views), IOV_MAX):
+        chunk = views[start:start + IOV_MAX]
+        want = sum(v.nbytes for v in chunk)
+        got = os.preadv(fd, chunk, offset)
+        if got != want:  # a short read: finish it buffer by buffer
+            done = got
+            for v in chunk:
+                if done >= v.nbytes:
+                    done -= v.nbytes
+                    continue
+                rest = v[done:]
+                while rest.nbytes:
+                    n = os.preadv(fd, [rest], offset + got)
+                    if n <= 0:
+                        raise EOFError(f"reply file ended at byte {offset + got}")
+                    got += n
+                    rest = rest[n:]
+                done = 0
+        offset += want
+
+
+# ---------------------------------------------------------------- unit side
+class ReplyFiles:
+    """A unit's side: check a client's hint once, write reply files into its inbox."""
+
+    def __init__(self, unit_id: int):
+        self.unit_id = unit_id
+        self._ok: dict[tuple[str, str], bool] = {}
+        self._lock = threading.Lock()
+        self.files = 0
+
+    def usable(self, hint) -> bool:
+        """True if ``hint`` names an inbox this process can see (same host and mount
+        namespace: the probe file there holds the token)."""
+        if not isinstance(hint, dict):
+            return False
+        d, token = hint.get("dir"), hint.get("token")
+        if not isinstance(d, str) or not isinstance(token, str) or \
+                not os.path.basename(d).startswith(PREFIX):
+            return False
+        key = (d, token)
+        with self._lock:
+            known = self._ok.get(key)
+        if known is not None:
+            return known and os.path.isdir(d)
+        try:
+            fd = os.open(os.path.join(d, PROBE), os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+            try:
+                ok = os.read(fd, 256) == token.encode() and os.fstat(fd).st_uid == os.geteuid()
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+        with self._lock:
+            if len(self._ok) > 256:
+                self._ok.clear()
+            self._ok[key] = ok
+        return ok
+
+    def write(self, hint: dict, buffers: list, nbytes: int) -> str | None:
+        """Write ``buffers`` (``nbytes`` in all) back to back into a new file of the inbox;
+        its name, or None if it could not or should not be written (the caller then
+        replies with frames). A RAM file system is shared with everything else on the host
+        (data loader workers, NCCL): a reply that would leave less than a quarter of it
+        (at least ``RESERVE_BYTES``) free goes as frames."""
+        get_id = hint.get("get")
+        if not isinstance(get_id, str) or not get_id.isalnum():
+            return None
+        try:
+            fs = os.statvfs(hint["dir"])
+        except OSError:
+            return None
+        if fs.f_bavail * fs.f_frsize - nbytes < max(fs.f_blocks * fs.f_frsize // 4,
+                                                     RESERVE_BYTES):
+            return None
+        name = f"{get_id}-u{self.unit_id}-{secrets.token_hex(4)}"
+        path = os.path.join(hint["dir"], name)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+                         0o600)
+        except OSError as exc:
+            log.debug("unit %d: no reply file in %s: %s", self.unit_id, hint["dir"], exc)
+            return None
+        try:
+            for start in range(0, len(buffers), IOV_MAX):
+                chunk = buffers[start:start + IOV_MAX]
+                n = os.writev(fd, chunk)
+                want = sum(b.nbytes for b in chunk)
+                if n != want:  # short write: write the rest one buffer at a time
+                    for b in chunk:
+                        if n >= b.nbytes:
+                            n -= b.nbytes
+                            continue
+                        rest = b[n:]
+                        while rest.nbytes:
+                            rest = rest[os.write(fd, rest):]
+                        n = 0
+        except OSError as exc:  # ENOSPC on a small /dev/shm: frames instead
+            log.info("unit %d: reply file in %s failed (%s); replying with frames",
+                     self.unit_id, hint["dir"], exc)
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        os.close(fd)
+        self.files += 1
+        return name
