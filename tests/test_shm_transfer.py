@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tqtx import tensors
+from tqtx import fsutil, tensors
 from tqtx.pids import process_started
 from tqtx.client import Column
 from tqtx.storage.replies import reply_columns
@@ -53,7 +53,7 @@ def test_a_unit_uses_only_an_inbox_it_can_prove(inbox, tmp_path):
 
 def test_write_and_read_back_more_buffers_than_one_syscall_takes(inbox):
     files = shm.ReplyFiles(3)
-    bufs = [memoryview(os.urandom(1 + (i * 37) % 300)) for i in range(2 * shm.IOV_MAX + 5)]
+    bufs = [memoryview(os.urandom(1 + (i * 37) % 300)) for i in range(2 * fsutil.IOV_MAX + 5)]
     total = sum(b.nbytes for b in bufs)
     name = files.write(inbox.hint_for("g1"), bufs, total)
     assert name.startswith("g1-u3-") and files.files == 1
@@ -61,7 +61,7 @@ def test_write_and_read_back_more_buffers_than_one_syscall_takes(inbox):
     try:
         assert not os.path.exists(os.path.join(inbox.dir, name))  # unlinked at once
         out = [memoryview(bytearray(b.nbytes)) for b in bufs]
-        shm.preadv_into(fd, out, 0)
+        fsutil.preadv_all(fd, list(out), 0)
     finally:
         os.close(fd)
     assert [bytes(o) for o in out] == [bytes(b) for b in bufs]

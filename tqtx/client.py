@@ -438,7 +438,7 @@ class Client:
                 req = per_unit.get(u)
                 if req is None:
                     req = per_unit[u] = {"indexes": [], "fields": fields}
-                    if inbox is not None:
+                    if hint is not None:
                         req["shm"] = hint
                 req["indexes"].append(idx)
                 positions.setdefault(u, []).append(pos)
@@ -457,7 +457,7 @@ class Client:
             try:
                 for name in files:
                     opened.append(shm.ReplyFile(inbox.open_reply(name)))
-            except (OSError, ValueError, AttributeError) as exc:
+            except (OSError, ValueError) as exc:
                 for f in opened:
                     f.close()
                 raise TqtxError(f"could not open a reply file of this get: {exc}") from exc

@@ -90,26 +90,45 @@ def write_file_synced(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _move_all(step, bufs: list, what: str) -> None:
+    """Move every buffer of ``bufs`` with ``step(chunk) -> bytes moved`` (one vectored
+    call), at most :data:`IOV_MAX` buffers a call; ``bufs`` is modified on a short move."""
+    i, n = 0, len(bufs)
+    while i < n:
+        chunk = bufs[i:i + IOV_MAX]
+        moved = step(chunk)
+        if moved == sum(map(len, chunk)):
+            i += len(chunk)
+            continue
+        if moved <= 0:
+            raise OSError(errno.EIO, f"{what} moved {moved} bytes")
+        for j, b in enumerate(chunk):  # short move: resume inside buffer i + j
+            if moved < len(b):
+                i += j
+                bufs[i] = memoryview(b)[moved:]
+                break
+            moved -= len(b)
+
+
 def writev_all(fd: int, bufs: list) -> None:
     """Write every buffer of ``bufs`` (bytes or 1-D byte memoryviews) in order.
 
     At most :data:`IOV_MAX` buffers go to one writev; ``bufs`` is modified on a partial write.
     """
-    i, n = 0, len(bufs)
-    while i < n:
-        chunk = bufs[i:i + IOV_MAX]
-        written = os.writev(fd, chunk)
-        if written == sum(map(len, chunk)):
-            i += len(chunk)
-            continue
-        if written <= 0:
-            raise OSError(errno.EIO, f"writev wrote {written} bytes")
-        for j, b in enumerate(chunk):  # partial write: resume inside buffer i + j
-            if written < len(b):
-                i += j
-                bufs[i] = memoryview(b)[written:]
-                break
-            written -= len(b)
+    _move_all(lambda chunk: os.writev(fd, chunk), bufs, "writev")
+
+
+def preadv_all(fd: int, bufs: list, offset: int) -> None:
+    """Fill every buffer of ``bufs`` (writable 1-D byte memoryviews), in order, from ``fd``
+    at ``offset``; OSError if the file ends first. ``bufs`` is modified on a short read."""
+    at = [offset]
+
+    def step(chunk):
+        got = os.preadv(fd, chunk, at[0])
+        at[0] += max(got, 0)
+        return got
+
+    _move_all(step, bufs, "preadv")
 
 
 def pread_exact(fd: int, length: int, offset: int):

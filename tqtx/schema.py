@@ -145,72 +145,39 @@ def field_schema_problem(schema) -> str | None:
     return None
 
 
-def row_checker(schema: dict):
-    """:func:`validate_row` for many records of one dump: ``check(row, file, gidx)`` raises
-    what ``validate_row(row, schema, where=f"{file} record of global index {gidx}")`` would,
-    with the schema looked up once (the message is only built for a row that fails)."""
-    fast: dict = {}
-    for name, fs in schema.items():
-        kind = fs.get("kind") if isinstance(fs, dict) else None
-        if kind == "object":
-            fast[name] = None
-        elif kind == "tensor" and type(fs.get("dtype")) is str and fs["dtype"] in DTYPE_SIZES \
-                and (fs.get("shape") is None or isinstance(fs["shape"], (list, tuple))):
-            # anything else (malformed) takes validate_row's path for every row
-            shape = fs.get("shape")
-            fixed = tuple(shape) if not fs.get("jagged") and shape is not None else None
-            fast[name] = (fs["dtype"], fs.get("ndim"), fixed, DTYPE_SIZES[fs["dtype"]])
-
-    def check(row: dict, file, gidx) -> None:
-        for name, value in row.items():
-            spec = fast.get(name, False)
-            if spec is None:
-                if not isinstance(value, RawTensor):
-                    continue
-            elif spec is not False and isinstance(value, RawTensor):
-                dtype, ndim, fixed, itemsize = spec
-                shape = value.shape
-                if (value.dtype == dtype and len(shape) == ndim
-                        and (fixed is None or tuple(shape) == fixed)
-                        and memoryview(value.data).nbytes == prod(shape) * itemsize):
-                    continue
-            validate_row(row, schema, where=f"{file} record of global index {gidx}")
-            return  # (validate_row checked the whole row)
-    return check
-
-
-def validate_row(row: dict, schema: dict, *, where: str) -> None:
+def validate_row(row: dict, schema: dict, *, where) -> None:
     """Check every value of ``row`` against ``schema`` ({field: field schema});
-    DumpFormatError naming ``where``."""
+    DumpFormatError naming ``where``: a str, or a callable making it (called only for a
+    row that fails, so a restore does not format a location per record)."""
     for name, value in row.items():
         fs = schema.get(name)
         if fs is None:
-            raise DumpFormatError(f"{where}: field {name!r} is not in the dump's field schema")
+            _fail(where, f"field {name!r} is not in the dump's field schema")
         kind = fs.get("kind")
         if kind == "object":
             if isinstance(value, RawTensor):
-                raise DumpFormatError(f"{where}: field {name!r} holds a tensor, schema says object")
+                _fail(where, f"field {name!r} holds a tensor, schema says object")
             continue
         if kind != "tensor":
-            raise DumpFormatError(f"{where}: field {name!r} has unknown schema kind {kind!r}")
+            _fail(where, f"field {name!r} has unknown schema kind {kind!r}")
         if not isinstance(value, RawTensor):
-            raise DumpFormatError(
-                f"{where}: field {name!r} holds a {type(value).__name__}, schema says tensor")
+            _fail(where, f"field {name!r} holds a {type(value).__name__}, schema says tensor")
         if value.dtype != fs.get("dtype"):
-            raise DumpFormatError(
-                f"{where}: field {name!r} has dtype {value.dtype}, schema says {fs.get('dtype')}")
+            _fail(where, f"field {name!r} has dtype {value.dtype}, "
+                         f"schema says {fs.get('dtype')}")
         if len(value.shape) != fs.get("ndim"):
-            raise DumpFormatError(
-                f"{where}: field {name!r} has {len(value.shape)} dimensions, "
-                f"schema says {fs.get('ndim')}")
+            _fail(where, f"field {name!r} has {len(value.shape)} dimensions, "
+                         f"schema says {fs.get('ndim')}")
         if not fs.get("jagged") and fs.get("shape") is not None \
                 and list(value.shape) != list(fs["shape"]):
-            raise DumpFormatError(
-                f"{where}: field {name!r} has shape {list(value.shape)}, "
-                f"schema says {list(fs['shape'])}")
+            _fail(where, f"field {name!r} has shape {list(value.shape)}, "
+                         f"schema says {list(fs['shape'])}")
         itemsize = DTYPE_SIZES.get(value.dtype)
         expected = prod(value.shape) * itemsize if itemsize else -1
         if memoryview(value.data).nbytes != expected:
-            raise DumpFormatError(
-                f"{where}: field {name!r} has {memoryview(value.data).nbytes} bytes, "
-                f"expected {expected}")
+            _fail(where, f"field {name!r} has {memoryview(value.data).nbytes} bytes, "
+                         f"expected {expected}")
+
+
+def _fail(where, problem: str):
+    raise DumpFormatError(f"{where() if callable(where) else where}: {problem}")

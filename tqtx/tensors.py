@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from . import fsutil
 from .validate import check_utf8
 from .wire import shm
 from .wire.values import DTYPE_SIZES, RawTensor
@@ -260,7 +261,10 @@ def _read_file_rows(values) -> None:
             continue
         size = DTYPE_SIZES[src.dtype]
         lengths = [prod(s) * size for s in src.shapes]
-        data = os.pread(src.file.fd, sum(lengths), src.offset)
+        want = sum(lengths)
+        data = fsutil.pread_exact(src.file.fd, want, src.offset)
+        if len(data) != want:
+            raise OSError(f"reply file ended after {len(data)} of {want} bytes")
         view, at = memoryview(data), 0
         for p, shape, nb in zip(pos, src.shapes, lengths):
             values[p] = RawTensor.of(src.dtype, tuple(shape), view[at:at + nb])
@@ -351,10 +355,10 @@ def _assemble_direct(values, files):
                                     zip(starts[idx].tolist(), nbytes[idx].tolist()) if b],
                       src.offset))
     if len(reads) > 1 and out.numel() * out.element_size() >= _PARALLEL_BYTES:
-        list(_reader_pool().map(lambda r: shm.preadv_into(*r), reads))  # preadv drops the GIL
+        list(_reader_pool().map(lambda r: fsutil.preadv_all(*r), reads))  # drops the GIL
     else:
         for r in reads:
-            shm.preadv_into(*r)
+            fsutil.preadv_all(*r)
     for i, v in enumerate(values):
         if v is not None and nbytes[i]:
             a = int(starts[i])

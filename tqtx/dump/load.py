@@ -19,7 +19,6 @@ from .. import format as fmt
 from .. import states as st
 from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
 from ..gcpause import gc_paused
-from ..states import IllegalTransition
 from ..journal.store import DumpJournal
 from ..paths import controller_journal_path, controller_lock_path
 from ..schema import validate_row
@@ -88,7 +87,7 @@ def _mark_dump_journal(dump_dir: str, rid: str, state: str, state_dir: str | Non
             # one transaction: a row that is gone or already ended is left as it is
             try:
                 dj.finish_restore(rid, state)
-            except (KeyError, IllegalTransition):
+            except (KeyError, st.IllegalTransition):
                 pass
 
 

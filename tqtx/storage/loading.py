@@ -8,10 +8,11 @@ first ``unit.load.after_read_batch`` point, so every fault point keeps its meani
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from .. import format as fmt
 from ..errors import PeerTimeoutError
-from ..schema import row_checker
+from ..schema import validate_row
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import new_id
 from ..wire.values import value_nbytes
@@ -24,8 +25,11 @@ BATCH = 128  # rows per read batch (docs/data_dump.md: "<=128 rows per batch")
 class Report:
     """A RESTORE_UNIT report sent now, its reply awaited by :meth:`wait`.
 
-    Retried like ``StorageUnit._report``: a lost reply is asked again with the same request
-    ID (the controller answers from its record); a controller that is gone is not retried.
+    A lost reply is asked again with the same request ID (the controller answers from its
+    record instead of acting twice). A controller that is gone is not retried: PeerDiedError
+    as soon as its connection closes after the report was sent, or no connection is made
+    within CONNECT_TIMEOUT, so a unit's LOAD_ROWS reply is not held up by retries that
+    cannot succeed.
     """
 
     def __init__(self, peer: Peer, body: dict, *, attempts: int = 3, timeout: float = 15.0):
@@ -75,15 +79,18 @@ def read_and_check(by_shard: dict, targets: dict, schema: dict, staged: dict, af
     """Read every record (checksums verified), check it against ``schema`` and put it in
     ``staged`` ({dest: (fresh, row)}); ``after_batch()`` runs after each batch of at most
     :data:`BATCH` rows. Returns the value bytes read (once per distinct record)."""
-    check = row_checker(schema)
     nbytes = 0
     for path, entries in by_shard.items():
         for batch in fmt.read_records(path, entries, batch=BATCH):
             for src, row in batch:
-                check(row, path, src)
+                validate_row(row, schema, where=partial(_location, path, src))
                 for dest, fresh in targets[(path, src)]:
                     staged[dest] = (fresh, row)
                 for v in row.values():
                     nbytes += value_nbytes(v)
             after_batch()
     return nbytes
+
+
+def _location(path, src) -> str:
+    return f"{path} record of global index {src}"

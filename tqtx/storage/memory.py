@@ -65,8 +65,9 @@ def trim() -> bool:
 class Trimmer:
     """Calls :func:`trim` when malloc's free bytes grew by ``threshold`` since the last trim
     (memory stays bounded during a long burst of drops), and once more when they stopped
-    changing (by less than ``QUIET_BYTES``) for ``quiet_checks`` checks in a row at another value than right after the last
-    trim (the unit went quiet after freeing rows: settle at idle + live). Waiting for quiet
+    changing (by less than ``QUIET_BYTES``) for ``quiet_checks`` checks in a row at another
+    value than right after the last trim (the unit went quiet after freeing rows: settle at
+    idle + live). Waiting for quiet
     rather than trimming at once lets a put that follows a clear (the usual training loop)
     reuse the freed pages instead of faulting fresh ones."""
 

@@ -11,7 +11,7 @@ import time
 from .. import faults
 from .. import format as fmt
 from ..errors import DumpFormatError
-from .loading import read_and_check
+from .loading import plan_reads, read_and_check
 
 log = logging.getLogger("tqtx.unit")
 
@@ -75,16 +75,13 @@ class RedoRestore:
                 f"{dump_dir}: now holds dump {index.dump_id}, not dump {body['dump_id']} that "
                 f"restore {rid} read")
         locations = index.record_locations()
-        by_shard: dict[str, list] = {}
-        targets: dict[tuple[str, int], list] = {}
+        items = []  # in LOAD_ROWS's item form, read from this dump's own index
         for dest, fresh, src in body["items"]:
             if src not in locations:
                 raise DumpFormatError(f"{dump_dir}: has no record of global index {src}")
             path, offset, length, crc = locations[src]
-            key = (str(path), src)
-            if key not in targets:
-                by_shard.setdefault(key[0], []).append([src, offset, length, crc])
-            targets.setdefault(key, []).append((dest, bool(fresh)))
+            items.append((dest, bool(fresh), str(path), offset, length, crc, src))
+        by_shard, targets = plan_reads(items)
         staged: dict[int, tuple[bool, dict]] = {}
         nbytes = read_and_check(by_shard, targets, body["field_schema"], staged, _nothing)
         faults.hit("unit.redo.after_read")

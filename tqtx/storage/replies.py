@@ -48,21 +48,18 @@ def pack_column(values: list) -> dict:
 def reply_columns(columns: list[list], hint, files: "shm.ReplyFiles | None") -> dict:
     """The GET_ROWS reply for ``columns`` (per field, the rows' values in request order)."""
     if hint is not None and files is not None:
-        dtypes = [_tensor_column(c) for c in columns]
-        size = sum(sum(memoryview(v.data).nbytes for v in c)
-                   for c, d in zip(columns, dtypes) if d is not None)
-        if size >= shm.MIN_BYTES and files.usable(hint):
-            buffers, out, at = [], [], 0
-            for c, d in zip(columns, dtypes):
-                if d is None:
-                    out.append(None)
-                    continue
-                out.append({"s": [d, [v.shape for v in c], at]})
-                for v in c:
-                    mv = _bytes(v)
-                    if mv.nbytes:
-                        buffers.append(mv)
-                        at += mv.nbytes
+        buffers, out, at = [], [], 0
+        for c in columns:
+            dtype = _tensor_column(c)
+            if dtype is None:
+                out.append(None)
+                continue
+            out.append({"s": [dtype, [v.shape for v in c], at]})
+            for v in c:
+                mv = _bytes(v)
+                buffers.append(mv)
+                at += mv.nbytes
+        if at >= shm.MIN_BYTES and files.usable(hint):
             name = files.write(hint, buffers, at)
             if name is not None:
                 return {"file": name, "file_bytes": at,

@@ -16,11 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import faults
 from .. import format as fmt
-from ..errors import PeerTimeoutError
 from ..placement.probe import node_name, unit_probe
 from ..wire import shm
-from ..wire.peer import CONNECT_TIMEOUT, Peer
-from ..wire.rpc import Server, new_id
+from ..wire.peer import Peer
+from ..wire.rpc import Server
 from ..wire.values import value_nbytes
 from . import loading
 from .attach import UnitAttach
@@ -307,24 +306,10 @@ class StorageUnit(RedoRestore, UnitAttach):
             peer.close()
 
     @staticmethod
-    def _report(peer: Peer, body: dict, attempts: int = 3, timeout: float = 15.0):
-        """RESTORE_UNIT to the controller; a lost reply is retried with the same request ID,
-        which the controller answers from its record instead of acting twice.
-
-        A controller that is gone is not retried: PeerDiedError as soon as its connection
-        closes after a report was sent, or no connection is made within CONNECT_TIMEOUT,
-        so this unit's LOAD_ROWS reply is not held up by retries that cannot succeed."""
-        if peer.connect_timeout is None:
-            peer.connect_timeout = CONNECT_TIMEOUT
-        rid = new_id()
-        for attempt in range(attempts):
-            try:
-                return peer.call("RESTORE_UNIT", body, rid=rid, timeout=timeout)
-            except PeerTimeoutError:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("restore %s: unit %s: no reply to RESTORE_UNIT %s; retrying",
-                            body["restore_id"], body["unit_id"], body["action"])
+    def _report(peer: Peer, body: dict) -> dict:
+        """RESTORE_UNIT to the controller and its reply (:class:`loading.Report`: a lost
+        reply is retried with the same request ID; a controller that is gone is not)."""
+        return loading.Report(peer, body).wait()
 
     def apply_staged(self, body, req):
         """Make a committed restore's staged rows live (idempotent)."""

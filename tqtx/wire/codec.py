@@ -31,7 +31,7 @@ def encode(obj) -> list:
     ext = msgpack.ExtType
 
     def default(value):
-        if type(value) is RawTensor or isinstance(value, RawTensor):
+        if isinstance(value, RawTensor):
             view = memoryview(value.data)
             if view.nbytes <= INLINE_LIMIT:
                 return ext(EXT_TENSOR_INLINE, pack([value.dtype, value.shape, view.tobytes()]))

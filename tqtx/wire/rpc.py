@@ -67,7 +67,6 @@ class Deferred:
                            self._timing)
 
 
-
 # pyzmq's send_multipart / recv_multipart do flag arithmetic on IntFlag enums per frame
 # (about 8 and 2 us a frame): a put of 7,680 rows is 20k frames. Plain ints instead.
 _SNDMORE = int(zmq.SNDMORE)
@@ -90,6 +89,7 @@ def recv_frames(sock, flags: int = 0) -> list:
         frame = recv(0, copy=False)
         frames.append(frame)
     return frames
+
 
 class Server:
     """A single-threaded ROUTER loop dispatching ``op`` to handlers.

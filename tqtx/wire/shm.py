@@ -23,13 +23,13 @@ import secrets
 import shutil
 import threading
 
+from .. import fsutil
 from ..pids import process_alive, process_started
 
 log = logging.getLogger("tqtx.shm")
 
 PREFIX = "tqtx-get-"
 PROBE = ".tqtx-get-probe"
-IOV_MAX = 1024  # os.sysconf("SC_IOV_MAX") on Linux; writev/preadv take at most this many
 # Replies with fewer tensor bytes than this go as frames: the file costs a few syscalls.
 MIN_BYTES = int(os.environ.get("TQTX_SHM_MIN_BYTES", str(1 << 20)))
 # What a reply file must leave free on the RAM file system, at the least (see write).
@@ -64,7 +64,6 @@ class GetInbox:
             os.write(fd, self.token.encode())
         finally:
             os.close(fd)
-        self.hint = {"dir": self.dir, "token": self.token}
 
     def open_reply(self, name: str) -> int:
         """Open reply file ``name`` (a plain name a unit wrote here) and unlink it: the
@@ -154,29 +153,6 @@ class FileRows:
         self.dtype, self.shapes, self.file, self.offset = dtype, shapes, file, offset
 
 
-def preadv_into(fd: int, views: list, offset: int) -> None:
-    """Fill ``views`` (writable buffers, in file order) from ``fd`` at ``offset``."""
-    for start in range(0, len(views), IOV_MAX):
-        chunk = views[start:start + IOV_MAX]
-        want = sum(v.nbytes for v in chunk)
-        got = os.preadv(fd, chunk, offset)
-        if got != want:  # a short read: finish it buffer by buffer
-            done = got
-            for v in chunk:
-                if done >= v.nbytes:
-                    done -= v.nbytes
-                    continue
-                rest = v[done:]
-                while rest.nbytes:
-                    n = os.preadv(fd, [rest], offset + got)
-                    if n <= 0:
-                        raise EOFError(f"reply file ended at byte {offset + got}")
-                    got += n
-                    rest = rest[n:]
-                done = 0
-        offset += want
-
-
 # ---------------------------------------------------------------- unit side
 class ReplyFiles:
     """A unit's side: check a client's hint once, write reply files into its inbox."""
@@ -216,7 +192,7 @@ class ReplyFiles:
         return ok
 
     def write(self, hint: dict, buffers: list, nbytes: int) -> str | None:
-        """Write ``buffers`` (``nbytes`` in all) back to back into a new file of the inbox;
+        """Write ``buffers`` (``nbytes`` in all; the list is used up) back to back into a new file of the inbox;
         its name, or None if it could not or should not be written (the caller then
         replies with frames). A RAM file system is shared with everything else on the host
         (data loader workers, NCCL): a reply that would leave less than a quarter of it
@@ -240,19 +216,7 @@ class ReplyFiles:
             log.debug("unit %d: no reply file in %s: %s", self.unit_id, hint["dir"], exc)
             return None
         try:
-            for start in range(0, len(buffers), IOV_MAX):
-                chunk = buffers[start:start + IOV_MAX]
-                n = os.writev(fd, chunk)
-                want = sum(b.nbytes for b in chunk)
-                if n != want:  # short write: write the rest one buffer at a time
-                    for b in chunk:
-                        if n >= b.nbytes:
-                            n -= b.nbytes
-                            continue
-                        rest = b[n:]
-                        while rest.nbytes:
-                            rest = rest[os.write(fd, rest):]
-                        n = 0
+            fsutil.writev_all(fd, buffers)
         except OSError as exc:  # ENOSPC on a small /dev/shm: frames instead
             log.info("unit %d: reply file in %s failed (%s); replying with frames",
                      self.unit_id, hint["dir"], exc)
