@@ -384,6 +384,35 @@ def test_dump_in_flight_across_a_controller_restart_settles(tq_start, tmp_path,
                                         for k in dumped}
 
 
+def test_background_dump_across_a_controller_restart_is_not_published(tq_start, tmp_path,
+                                                                     point_reached):
+    """The tags a block=False call left on the controller die with it: the dump fails
+    cleanly, the old dump stays, the units drop their snapshots."""
+    tq_start(2)
+    keys = [f"k{i}" for i in range(12)]
+    tq.kv_batch_put(keys, PID, _batch(keys, 0), tags=[{"i": i} for i in range(12)])
+    dump = tmp_path / "dump"
+    tq.dump_data_by_key(dump, keys[:6], PID)
+    snapshot = point_reached("client.dump.after_snapshot")
+    faults.configure("client.dump.after_snapshot:delay:2.0")
+    try:
+        handle = tq.dump_data_by_key(dump, keys, PID, block=False)
+        assert snapshot.wait(60)
+        _restart_controller()
+        with pytest.raises(KeyError, match="holds no tags for background dump"):
+            handle.result(timeout=120)
+    finally:
+        faults.configure("")
+    assert fmt.verify_dump(dump)["ok"]
+    assert sorted(r[0] for r in fmt.read_dump_index(dump).rows) == sorted(keys[:6])
+    _wait(lambda: all(u["open_dumps"] == [] for u in _stats()["units"]),
+          "the units to drop the snapshots", 30, 0.2)
+    # and a dump after the restart works, tags included
+    tq.dump_data_by_key(dump, keys, PID, block=False).result(timeout=60)
+    assert {k: r["tag"] for k, r in tq.read_row_index(dump)["rows"].items()} == \
+        {k: {"i": i} for i, k in enumerate(keys)}
+
+
 # --------------------------------------------------------------------------- 5. durability
 def test_durability_off_forgets_keys_at_a_controller_restart(tq_start):
     tq_start(2, durability="off")

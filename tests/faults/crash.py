@@ -34,6 +34,9 @@ tq.init({"timeout": float(os.environ["TQ_T"])}, address=os.environ["TQ_ADDR"])
 if sys.argv[1] == "dump":
     r = tq.dump_data_by_key(sys.argv[2], sys.argv[3].split(","), "p")
     print("DONE", r["dump_id"])
+elif sys.argv[1] == "dump-bg":
+    r = tq.dump_data_by_key(sys.argv[2], sys.argv[3].split(","), "p", block=False).result(60)
+    print("DONE", r["dump_id"])
 else:
     r = tq.load_data_by_key(sys.argv[2])
     print("DONE", r["restore_id"])
@@ -273,9 +276,15 @@ def _owners(pid: str, keys) -> dict:
     return {k: i % res["num_units"] for k, i in zip(keys, res["indexes"])}
 
 
-def dump_case(tmp_path, point: str, action: str, role: str | None = None) -> dict:
+# requests only a background dump (block=False) makes: the first (blocking) dump never hits them
+BACKGROUND_ONLY = ("DUMP_SNAPSHOT", "DUMP_WAIT", "TAKE_DUMP_TAGS")
+
+
+def dump_case(tmp_path, point: str, action: str, role: str | None = None, *,
+              background: bool = False) -> dict:
     # server-side points are hit once by the first (old) dump: fire on the second
-    nth = 1 if where(point) == "client" else 2
+    first = where(point) == "client" or point.endswith(BACKGROUND_ONLY)
+    nth = 1 if first else 2
     run = Run(tmp_path, point, action, nth, role)
     d = tmp_path / "d"
     plant_user_files(tmp_path, "d")
@@ -289,8 +298,12 @@ def dump_case(tmp_path, point: str, action: str, role: str | None = None) -> dic
         owner = _owners("p", keys)
         old = tq.dump_data_by_key(d, OLD_KEYS, "p")
         tree = treehash.snapshot(tmp_path)
-        run.run_op(lambda: tq.dump_data_by_key(d, NEW_KEYS, "p"),
-                   ["dump", str(d), ",".join(NEW_KEYS)])
+        if background:
+            run.run_op(lambda: tq.dump_data_by_key(d, NEW_KEYS, "p", block=False).result(60),
+                       ["dump-bg", str(d), ",".join(NEW_KEYS)])
+        else:
+            run.run_op(lambda: tq.dump_data_by_key(d, NEW_KEYS, "p"),
+                       ["dump", str(d), ",".join(NEW_KEYS)])
         run.check_fired()
         run.recover_processes()
         # next access recovers the dump (lock + dump journal replay)

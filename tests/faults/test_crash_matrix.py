@@ -40,6 +40,20 @@ DUMP_POINTS = {
     "controller.reply.RECORD_DUMP": SERVER,
 }
 
+# a background dump (block=False): the call, then result()
+BACKGROUND_DUMP_POINTS = {
+    "controller.request.DESCRIBE_ROWS_BY_KEY": SERVER,
+    "unit.request.DUMP_SNAPSHOT": SERVER,
+    "unit.reply.DUMP_SNAPSHOT": SERVER,
+    "client.dump.after_snapshot": CLIENT,
+    "controller.request.TAKE_DUMP_TAGS": SERVER,
+    "controller.reply.TAKE_DUMP_TAGS": SERVER,
+    "unit.request.DUMP_WAIT": SERVER,
+    "unit.dump.after_write": ["kill", "raise", DELAY],
+    "publish.after_written": CLIENT,
+    "publish.after_published": CLIENT,
+}
+
 RESTORE_POINTS = {
     "controller.request.BEGIN_RESTORE": SERVER,
     "controller.reply.BEGIN_RESTORE": SERVER,
@@ -75,6 +89,8 @@ ROLES = ["first", "last", "alone"]
 # (point, role) run with kill in the default suite; everything else is slow
 FAST_DUMP = {("unit.dump.after_write", "first"), ("publish.after_written", None),
              ("publish.after_old_moved", None), ("publish.after_published", None)}
+FAST_BACKGROUND = {("controller.reply.TAKE_DUMP_TAGS", None), ("unit.reply.DUMP_SNAPSHOT", "last"),
+                   ("client.dump.after_snapshot", None)}
 FAST_RESTORE = {("client.restore.after_begin", None), ("unit.load.after_read_batch", "last"),
                 ("controller.restore.after_staged", None),
                 ("controller.restore.after_commit_decision", None),
@@ -127,6 +143,16 @@ def test_dump_crash(tmp_path, clean_api, point, action, role):
         if not action.startswith("delay"):
             assert res["which"] == "old", res
     if point in ("publish.after_published", "publish.after_cleaned") or "RECORD_DUMP" in point:
+        assert res["which"] == "new", res
+
+
+@pytest.mark.parametrize("point,action,role", _cases(BACKGROUND_DUMP_POINTS, FAST_BACKGROUND))
+def test_background_dump_crash(tmp_path, clean_api, point, action, role):
+    res = dump_case(tmp_path, point, action, role, background=True)
+    if not action.startswith("delay") and not point.startswith("publish.") \
+            and point != "controller.reply.TAKE_DUMP_TAGS":
+        assert res["which"] == "old", res
+    if point == "publish.after_published":
         assert res["which"] == "new", res
 
 

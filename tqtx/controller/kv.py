@@ -10,13 +10,18 @@ leaves memory as it was.
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
+from itertools import repeat
 
 from .. import faults
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, \
     SchemaConflictError
 from ..journal.meta import CHECKPOINT_LOAD, MetaChange
+from ..wire.columns import pack_int64
 from ..wire.peer import call_many
 from ..schema import check_schema_compatible
+from .metadata import EMPTY
 
 log = logging.getLogger("tqtx.controller")
 
@@ -24,6 +29,51 @@ log = logging.getLogger("tqtx.controller")
 META_OPS = ("commit_put", "clear", "checkpoint_replace", "restore_publish", "unit_lost",
             "end_buffer")
 META_STAGES = ("before_commit", "after_commit", "before_reply")
+
+
+class HeldTags:
+    """Tags a background dump's DESCRIBE held by reference, until its thread takes them.
+
+    In memory only: a controller restart in between loses them, and that dump fails
+    (unpublished) when it asks. Bounded: at most ``limit`` holds, none older than ``ttl`` s.
+    """
+
+    def __init__(self, limit: int = 64, ttl: float = 3600.0):
+        self.limit, self.ttl = limit, ttl
+        self._held: OrderedDict[str, tuple[float, list]] = OrderedDict()
+
+    def hold(self, dump_id: str, tags: list) -> None:
+        now = time.monotonic()
+        self._held.pop(dump_id, None)
+        self._held[dump_id] = (now, tags)
+        while self._held:
+            oldest_id, (since, _) = next(iter(self._held.items()))
+            if len(self._held) <= self.limit and now - since <= self.ttl:
+                break
+            del self._held[oldest_id]
+            log.warning("dump %s: dropped its held tags (not taken within %.0f s, or over "
+                        "%d holds)", oldest_id, self.ttl, self.limit)
+
+    def take(self, dump_id: str) -> list:
+        held = self._held.pop(dump_id, None)
+        if held is None:
+            raise KeyError(f"the controller holds no tags for background dump {dump_id} "
+                           f"(it restarted since the dump began, or the hold expired); "
+                           f"the dump is not published")
+        return held[1]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def _number(field_sets: list, ids: dict, obj: frozenset) -> int:
+    """The position of ``obj``'s names in ``field_sets`` (appended when new)."""
+    names = sorted(obj)
+    sid = ids.get(tuple(names))
+    if sid is None:
+        sid = ids[tuple(names)] = len(field_sets)
+        field_sets.append(names)
+    return sid
 
 
 class KVRequests:
@@ -126,7 +176,9 @@ class KVRequests:
     # ---------------------------------------------------------------- dump
     def describe_rows(self, body, req):
         """Per key (in request order): global index, produced fields and tag, plus the
-        fields' schemas. No payload. Columnar: ``fields_of[i]`` indexes ``field_sets``."""
+        fields' schemas. No payload. Columnar: ``fields_of[i]`` indexes ``field_sets``;
+        with ``packed`` both columns are native int64 bytes. With ``hold_tags`` (a dump ID)
+        the tags stay here for TAKE_DUMP_TAGS."""
         pid, keys = body["partition_id"], body["keys"]
         part = self.meta.partition(pid)
         if part is None or not part.keys:
@@ -137,28 +189,31 @@ class KVRequests:
             raise PartitionNotFoundError(f"partition {pid!r} does not exist (not found)")
         indexes = part.indexes_of(keys)
         part.check_readable(keys, indexes)  # a dump must not promise rows no unit holds
-        set_ids: dict[frozenset, int] = {}
-        by_object: dict[int, int] = {}  # rows share their field-set objects: look them up once
+        # Field sets are shared objects (Metadata.share): number each once, by identity
+        # (C-level passes over the rows; Python work per distinct set only).
+        objs = list(map(part.fields.get, indexes, repeat(EMPTY)))
+        by_names: dict[tuple, int] = {}
         field_sets: list[list[str]] = []
-        fields_of = []
-        produced, empty = part.fields, frozenset()
-        for idx in indexes:
-            obj = produced.get(idx, empty)
-            sid = by_object.get(id(obj))
-            if sid is None:
-                fs = frozenset(obj)
-                sid = set_ids.get(fs)
-                if sid is None:
-                    sid = set_ids[fs] = len(field_sets)
-                    field_sets.append(sorted(fs))
-                by_object[id(obj)] = sid
-            fields_of.append(sid)
+        ids = list(map(id, objs))
+        set_ids = {i: _number(field_sets, by_names, o) for i, o in dict(zip(ids, objs)).items()}
+        fields_of = list(map(set_ids.__getitem__, ids))
         used = sorted(set().union(*field_sets)) if field_sets else []
-        tags = part.tags
-        return {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
-                "tags": [tags.get(k) or {} for k in keys],
-                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
-                "topology": self.topology_incarnation}
+        if body.get("packed"):  # int64 columns as raw bytes: no per-row msgpack work
+            indexes, fields_of = pack_int64(indexes), pack_int64(fields_of)
+        out = {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
+               "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
+               "topology": self.topology_incarnation}
+        tags = list(map(part.tags.get, keys))  # tag dicts are replaced, never changed in place
+        hold = body.get("hold_tags")
+        if hold:  # a background dump takes them later (TAKE_DUMP_TAGS), off the call path
+            self.held_tags.hold(hold, tags)
+        else:
+            out["tags"] = [t or {} for t in tags]
+        return out
+
+    def take_dump_tags(self, body, req):
+        """The tags DESCRIBE_ROWS_BY_KEY held for background dump ``dump_id`` (once)."""
+        return {"tags": [t or {} for t in self.held_tags.take(body["dump_id"])]}
 
     def record_dump(self, body, req):
         self.journal.record_dump(incarnation_id=self.incarnation, **body)

@@ -17,6 +17,8 @@ from ..errors import KeysNotFoundError, RowsLostError
 from ..journal.meta import MetaChange
 from ..schema import check_schema_compatible, merge_schema
 
+EMPTY: frozenset = frozenset()
+
 
 class Partition:
     __slots__ = ("pid", "keys", "fields", "tags", "schema", "pending", "lost")
@@ -24,7 +26,7 @@ class Partition:
     def __init__(self, pid: str):
         self.pid = pid
         self.keys: dict[str, int] = {}        # visible keys -> global index
-        self.fields: dict[int, set[str]] = {}
+        self.fields: dict[int, frozenset[str]] = {}  # shared objects (Metadata.share)
         self.tags: dict[str, dict] = {}
         self.schema: dict[str, dict] = {}
         self.pending: dict[str, int] = {}     # allocated by ALLOC, not yet committed
@@ -63,6 +65,15 @@ class Metadata:
         self.next_index = 0
         self.free: list[int] = []          # min-heap of freed indexes
         self.reserved: dict[int, str] = {}  # index -> restore_id holding it
+        # Rows' field sets are frozensets, one object per distinct set (never changed in
+        # place): per-row work that depends on the fields (DESCRIBE, journal encoding) is
+        # done once per object.
+        self._field_sets: dict[frozenset, frozenset] = {EMPTY: EMPTY}
+
+    def share(self, fields) -> frozenset:
+        """The one frozenset object equal to ``fields``."""
+        fs = fields if type(fields) is frozenset else frozenset(fields)
+        return self._field_sets.setdefault(fs, fs)
 
     def partition(self, pid: str, *, create: bool = False) -> Partition | None:
         part = self.partitions.get(pid)
@@ -127,7 +138,8 @@ class Metadata:
         part = self.require(pid)
         change = MetaChange(next_index=self.next_index)
         updates: dict[str, list] = {}  # key -> [idx, fields, tag, was pending]
-        common = None
+        written = frozenset(fields)
+        merged: dict[int, frozenset] = {}  # id(old field set) -> it | written, shared
         for i, key in enumerate(keys):
             upd = updates.get(key)
             if upd is None:
@@ -138,16 +150,18 @@ class Metadata:
                     if idx is None:
                         raise KeysNotFoundError([key], pid)
                 # a lost row comes back with exactly the fields this put wrote
-                base = () if pending or idx in part.lost else part.fields.get(idx, ())
-                upd = updates[key] = [idx, set(base), part.tags.get(key), pending]
-            upd[1].update(fields)
+                base = EMPTY if pending or idx in part.lost else part.fields.get(idx, EMPTY)
+                new = merged.get(id(base))
+                if new is None:
+                    new = merged[id(base)] = self.share(base | written)
+                upd = updates[key] = [idx, new, part.tags.get(key), pending]
             if tags is not None and tags[i]:
                 upd[2] = {**(upd[2] or {}), **tags[i]}
-            common = set(upd[1]) if common is None else common & upd[1]
         change.rows = [(pid, k, u[0], u[1], u[2] or {}, None) for k, u in updates.items()]
         change.schemas = [(pid, f, part.schema[f]) for f in dict.fromkeys(fields)
                           if f in part.schema]
-        return change, updates, sorted(common or ())
+        common = frozenset.intersection(*merged.values()) if merged else EMPTY
+        return change, updates, sorted(common)
 
     def apply_commit(self, pid: str, updates: dict) -> None:
         part = self.require(pid)
@@ -192,9 +206,9 @@ class Metadata:
                             schemas=[(pid, f, schema[f]) for f in field_schema])
         for key, idx, fields, tag, is_new in rows:
             if is_new or part is None or key not in part.keys or idx in part.lost:
-                new_fields, new_tag = set(fields), dict(tag or {})
+                new_fields, new_tag = self.share(fields), dict(tag or {})
             else:
-                new_fields = part.fields.get(idx, set()) | set(fields)
+                new_fields = self.share(part.fields.get(idx, EMPTY).union(fields))
                 new_tag = {**part.tags.get(key, {}), **(tag or {})} if tag else \
                     part.tags.get(key, {})
             change.rows.append((pid, key, idx, new_fields, new_tag, None))
@@ -271,7 +285,7 @@ class Metadata:
         self.reserved.clear()
         self.next_index = int(snap["next_index"])
         used = []
-        shared: dict[tuple, frozenset] = {}  # field sets are never changed in place: share
+        shared: dict[tuple, frozenset] = {}
         for pid, data in snap["partitions"].items():
             part = self.partition(pid, create=True)
             part.schema = dict(data["schema"])
@@ -281,7 +295,7 @@ class Metadata:
                 names = tuple(fields)
                 fs = shared.get(names)
                 if fs is None:
-                    fs = shared[names] = frozenset(names)
+                    fs = shared[names] = self.share(names)
                 part.fields[idx] = fs
                 part.tags[key] = tag if tag is not None else {}
                 if len(row) > 4 and row[4] is not None:

@@ -17,7 +17,7 @@ from ..paths import controller_lock_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server
-from .kv import KVRequests
+from .kv import HeldTags, KVRequests
 from .metadata import Metadata
 from .restores import RestorePlan, RestoreProtocol, restore_unit_label
 from .startup import replay
@@ -73,6 +73,7 @@ class Controller(KVRequests, RestoreProtocol):
         self.incarnation = self.journal.start_incarnation(
             pid=os.getpid(), host=socket.gethostname(), address=self.address, version=__version__)
         self.meta = Metadata()
+        self.held_tags = HeldTags()
         self.restores: dict[str, RestorePlan] = {}
         self.checkpoint_load: str | None = None  # a load_checkpoint whose switch is open
         self.metajournal = MetaJournal(self.journal.engine, durability)
@@ -97,6 +98,7 @@ class Controller(KVRequests, RestoreProtocol):
             ("COMMIT_PUT", self.commit_put, True), ("LOOKUP", self.lookup, False),
             ("LIST", self.list_keys, False), ("CLEAR", self.clear, True),
             ("DESCRIBE_ROWS_BY_KEY", self.describe_rows, False),
+            ("TAKE_DUMP_TAGS", self.take_dump_tags, True),
             ("RECORD_DUMP", self.record_dump, True),
             ("VALIDATE_DUMP_SCHEMA", self.validate_dump_schema, False),
             ("BEGIN_RESTORE", self.begin_restore, True), ("RESTORE_UNIT", self.restore_unit, True),

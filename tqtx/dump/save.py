@@ -16,6 +16,7 @@ from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
 from ..validate import check_utf8
 from ..version import __version__
+from ..wire.columns import unpack_int64
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
 from ..publish import Publication, dump_lock, recover_publications
@@ -153,7 +154,7 @@ def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str
     # The metadata round trip (and its O(rows) work) runs in this thread; the dump's thread
     # takes the lock (held until it publishes) and the units' snapshots, then hands back.
     handle.background = True
-    described = _describe(client, handle, keys, partition_id, via)
+    described = _describe(client, handle, keys, partition_id, via, hold_tags=True)
     with _handles_lock:
         _handles[handle.dump_id] = handle
     thread = threading.Thread(target=_run,
@@ -182,12 +183,33 @@ def _run(client, handle: DumpHandle, keys, pid, via, described, t0) -> None:
         handle._snapshot.set()
 
 
-def _describe(client, handle: DumpHandle, keys: list[str], pid: str, via: str):
-    """The rows' metadata (DESCRIBE) and the request to each owner unit."""
+def _describe(client, handle: DumpHandle, keys: list[str], pid: str, via: str, *,
+              hold_tags: bool = False):
+    """The rows' metadata (DESCRIBE) and the request to each owner unit.
+
+    ``hold_tags`` (background dumps): the controller keeps the rows' tags as of this call
+    and the dump's thread takes them (:func:`_take_tags`), so the O(rows) tags never
+    cross the wire on the caller's path.
+    """
     # Metadata first: unknown partition or keys fail here, before anything touches the disk.
-    desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", {"partition_id": pid, "keys": keys})
+    body = {"partition_id": pid, "keys": keys, "packed": True}
+    if hold_tags:
+        body["hold_tags"] = handle.dump_id
+    desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", body)
     per_unit = _per_unit(client, handle.dump_id, desc) if via == "units" else {}
     return desc, per_unit
+
+
+def _take_tags(client, dump_id: str, desc: dict) -> None:
+    """Fetch the tags DESCRIBE held for this dump, into ``desc`` (once)."""
+    if "tags" not in desc:
+        desc["tags"] = client.controller.call("TAKE_DUMP_TAGS", {"dump_id": dump_id})["tags"]
+
+
+def _column(values):
+    """A DESCRIBE column (packed, see :mod:`tqtx.wire.columns`, or a list) as an array."""
+    import numpy as np
+    return np.asarray(unpack_int64(values), dtype=np.int64)
 
 
 def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
@@ -196,8 +218,7 @@ def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
     import numpy as np
 
     field_sets = desc["field_sets"]
-    idx = np.asarray(desc["indexes"], dtype=np.int64)
-    sid = np.asarray(desc["fields_of"], dtype=np.int64)
+    idx, sid = _column(desc["indexes"]), _column(desc["fields_of"])
     if not len(idx):
         return {}
     has_fields = np.asarray([bool(fs) for fs in field_sets])[sid]  # fieldless: row index only
@@ -207,8 +228,9 @@ def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
         sel = has_fields & (owner == u)
         if not sel.any():
             continue
-        per_unit[u] = {"dump_id": dump_id, "unit_id": u, "indexes": idx[sel].tolist(),
-                       "fields_of": sid[sel].tolist(), "field_sets": field_sets}
+        per_unit[u] = {"dump_id": dump_id, "unit_id": u,
+                       "indexes": idx[sel].astype("<i8").tobytes(),
+                       "fields_of": sid[sel].astype("<i8").tobytes(), "field_sets": field_sets}
     return per_unit
 
 
@@ -235,6 +257,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                 handle._snapshot.set()
                 handle._resumed.wait()  # the caller runs first (else it waits for the GIL)
             faults.hit("client.dump.after_snapshot")
+            _take_tags(client, dump_id, desc)
             if handle._cancel.is_set():
                 raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
             rows, with_data = _rows(keys, desc)
@@ -268,6 +291,11 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
     except BaseException as exc:
         if snapshotted:
             _cancel_units(client, dump_id, per_unit)  # release the snapshots
+        if "tags" not in desc:  # release the controller's hold
+            try:
+                _take_tags(client, dump_id, desc)
+            except Exception:  # noqa: BLE001 -- best effort: the hold expires by itself
+                pass
         log.error("dump %s: to %s failed: %s", dump_id, dump_dir, exc)
         if handle._cancel.is_set() and not isinstance(exc, DumpCancelled):
             raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled") from exc
@@ -291,8 +319,9 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
 def _rows(keys: list[str], desc: dict) -> tuple[list, list]:
     """Row-index rows ``[key, index, fields, tag]``, and those with fields."""
     field_sets = desc["field_sets"]
+    indexes, fields_of = _column(desc["indexes"]).tolist(), _column(desc["fields_of"]).tolist()
     rows = [[k, i, field_sets[sid], t]
-            for k, i, sid, t in zip(keys, desc["indexes"], desc["fields_of"], desc["tags"])]
+            for k, i, sid, t in zip(keys, indexes, fields_of, desc["tags"])]
     return rows, [r for r in rows if r[2]]
 
 

@@ -18,6 +18,7 @@ from .. import faults
 from .. import format as fmt
 from ..placement.probe import node_name, unit_probe
 from ..wire import shm
+from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Server
 from ..wire.values import value_nbytes
@@ -147,18 +148,19 @@ class StorageUnit(RedoRestore, UnitAttach):
 
     # ---------------------------------------------------------------- dump
     def _start_dump(self, body) -> "DumpJob":
-        """Snapshot the selected rows by reference now; write the shard in a worker thread."""
-        snapshot = []
-        rows, field_sets = self.rows, body["field_sets"]
-        wanted = [frozenset(fs) for fs in field_sets]
-        for idx, sid in zip(body["indexes"], body["fields_of"]):
-            row = rows.get(idx)
-            if row is None:
-                raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
-            if row.keys() != wanted[sid]:  # else the row itself: puts copy on write
-                row = {f: row[f] for f in field_sets[sid]}
-            snapshot.append((idx, row))
-        job = DumpJob(body["dump_id"], body.get("path"), snapshot, self.unit_id)
+        """Snapshot the selected rows by reference now; write the shard in a worker thread.
+
+        C-level passes only: a stored row's dict is never changed in place (puts copy on
+        write), so the writer picks the dumped fields out of the very dicts taken here.
+        """
+        indexes = unpack_int64(body["indexes"])
+        rows = list(map(self.rows.get, indexes))
+        if None in rows:
+            idx = indexes[rows.index(None)]
+            raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
+        snapshot = list(zip(indexes, rows, unpack_int64(body["fields_of"])))
+        job = DumpJob(body["dump_id"], body.get("path"), snapshot, body["field_sets"],
+                      self.unit_id)
         self.dump_jobs[job.dump_id] = job
         job.future.add_done_callback(lambda _f: self._account_dump(job))
         if job.path is not None:
@@ -430,7 +432,8 @@ class StorageUnit(RedoRestore, UnitAttach):
         return {"role": "unit", "unit_id": self.unit_id, "pid": os.getpid(), "node": node_name(),
                 "uptime": time.time() - self.started, "address": self.address,
                 "rows": len(self.rows), "bytes": self.bytes_held,
-                "staged_restores": list(self.staging), "metrics_enabled": m.enabled,
+                "staged_restores": list(self.staging), "open_dumps": list(self.dump_jobs),
+                "metrics_enabled": m.enabled,
                 "reply_files": self.reply_files.files,
                 "ops": m.ops_snapshot(), "totals": m.totals_snapshot()}
 
@@ -448,10 +451,13 @@ def _row_nbytes(row: dict) -> int:
 
 
 class DumpJob:
-    """One shard being written from a snapshot of rows (held by reference, never copied)."""
+    """One shard being written from a snapshot of rows (held by reference, never copied):
+    ``(index, row dict, field-set number)``, the fields named by ``field_sets``."""
 
-    def __init__(self, dump_id: str, path: str, snapshot: list, unit_id: int):
+    def __init__(self, dump_id: str, path: str, snapshot: list, field_sets: list,
+                 unit_id: int):
         self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
+        self.field_sets = field_sets
         self.future: Future = Future()
         self.started = False
         self.cancelled = threading.Event()
@@ -459,10 +465,18 @@ class DumpJob:
         self.error: BaseException | None = None
 
     def _rows(self):
-        for i, item in enumerate(self.snapshot):
+        field_sets = self.field_sets
+        wanted = [frozenset(fs) for fs in field_sets]
+        for i, (idx, row, sid) in enumerate(self.snapshot):
             if i % 256 == 0 and self.cancelled.is_set():
                 raise RuntimeError(f"dump {self.dump_id} cancelled")
-            yield item
+            if row.keys() != wanted[sid]:  # else the row itself
+                try:
+                    row = {f: row[f] for f in field_sets[sid]}
+                except KeyError as exc:
+                    raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc} "
+                                   f"(dump {self.dump_id})") from None
+            yield idx, row
 
     def run(self) -> None:
         t0 = time.perf_counter()

@@ -1,0 +1,126 @@
+"""The controller's in-memory metadata: shared field sets, DESCRIBE, held tags (no processes)."""
+from __future__ import annotations
+
+import pytest
+
+from tqtx.controller.kv import HeldTags, KVRequests
+from tqtx.controller.metadata import Metadata
+
+
+class _Describer(KVRequests):
+    def __init__(self, meta: Metadata):
+        self.meta, self.num_units, self.topology_incarnation = meta, 4, 7
+        self.held_tags = HeldTags()
+
+
+def _put(meta: Metadata, pid: str, keys: list[str], fields: list[str], tags=None):
+    part = meta.partition(pid, create=True)
+    for k in keys:
+        if k not in part.keys and k not in part.pending:
+            part.pending[k] = meta.allocate(1)[0]
+    for f in fields:
+        part.schema.setdefault(f, {"kind": "tensor"})
+    change, updates, common = meta.plan_commit(pid, keys, fields, tags)
+    meta.apply_commit(pid, updates)
+    return change, common
+
+
+def test_rows_share_one_object_per_field_set():
+    meta = Metadata()
+    keys = [f"k{i}" for i in range(6)]
+    _, common = _put(meta, "p", keys, ["a", "b"])
+    assert common == ["a", "b"]
+    _, common = _put(meta, "p", keys[:3], ["c"])  # a partial overwrite adds a field
+    assert common == ["a", "b", "c"]
+    part = meta.partitions["p"]
+    sets = {id(part.fields[part.keys[k]]) for k in keys}
+    assert len(sets) == 2
+    assert part.fields[part.keys["k0"]] == {"a", "b", "c"}
+    assert part.fields[part.keys["k5"]] == {"a", "b"}
+    # a second partition with the same fields shares the object too
+    _put(meta, "q", ["x"], ["b", "a"])
+    assert meta.partitions["q"].fields[meta.partitions["q"].keys["x"]] is \
+        part.fields[part.keys["k5"]]
+
+
+def test_common_fields_of_a_put_over_rows_with_different_fields():
+    meta = Metadata()
+    _put(meta, "p", ["k0"], ["a"])
+    _put(meta, "p", ["k1"], ["b"])
+    _, common = _put(meta, "p", ["k0", "k1", "k2"], ["c"])
+    assert common == ["c"]
+    _, common = _put(meta, "p", ["k0", "k0"], ["d"])  # a key twice in one put
+    assert common == ["a", "c", "d"]
+
+
+def test_describe_numbers_field_sets_by_value_in_request_order():
+    meta = Metadata()
+    _put(meta, "p", ["k0", "k1"], ["a", "b"], tags=[{"t": 0}, {}])
+    _put(meta, "p", ["k2"], ["a"])
+    part = meta.partitions["p"]
+    part.fields[part.keys["k1"]] = frozenset({"a", "b"})  # equal, not the shared object
+    d = _Describer(meta)
+    out = d.describe_rows({"partition_id": "p", "keys": ["k2", "k0", "k1"]}, None)
+    assert out["field_sets"] == [["a"], ["a", "b"]]
+    assert out["fields_of"] == [0, 1, 1]
+    assert out["indexes"] == [part.keys[k] for k in ("k2", "k0", "k1")]
+    assert out["tags"] == [{}, {"t": 0}, {}]
+    assert sorted(out["field_schema"]) == ["a", "b"]
+
+
+def test_describe_holds_tags_by_reference_until_taken():
+    meta = Metadata()
+    _put(meta, "p", ["k0", "k1"], ["a"], tags=[{"s": "old"}, {"s": "old1"}])
+    d = _Describer(meta)
+    out = d.describe_rows({"partition_id": "p", "keys": ["k1", "k0"], "hold_tags": "D"}, None)
+    assert "tags" not in out and len(d.held_tags) == 1
+    _put(meta, "p", ["k0"], ["a"], tags=[{"s": "new"}])  # re-tagged after the call
+    assert d.take_dump_tags({"dump_id": "D"}, None) == {"tags": [{"s": "old1"}, {"s": "old"}]}
+    with pytest.raises(KeyError, match="holds no tags for background dump D"):
+        d.take_dump_tags({"dump_id": "D"}, None)
+
+
+def test_held_tags_are_bounded_in_number_and_age(monkeypatch):
+    held = HeldTags(limit=2, ttl=10.0)
+    now = [100.0]
+    monkeypatch.setattr("tqtx.controller.kv.time.monotonic", lambda: now[0])
+    held.hold("a", [1])
+    held.hold("b", [2])
+    held.hold("c", [3])  # over the limit: the oldest goes
+    assert len(held) == 2
+    with pytest.raises(KeyError):
+        held.take("a")
+    now[0] = 105.0
+    held.hold("d", [4])  # "b" is now the oldest (and over the limit)
+    assert held.take("c") == [3] and held.take("d") == [4]
+    held.hold("e", [5])
+    now[0] = 120.0
+    held.hold("f", [6])  # "e" expired
+    with pytest.raises(KeyError):
+        held.take("e")
+    assert held.take("f") == [6]
+
+
+def test_describe_packs_its_columns_as_little_endian_int64():
+    import numpy as np
+    meta = Metadata()
+    keys = [f"k{i}" for i in range(300)]
+    _put(meta, "p", keys, ["a"])
+    _put(meta, "p", keys[::3], ["b"])
+    d = _Describer(meta)
+    plain = d.describe_rows({"partition_id": "p", "keys": keys}, None)
+    packed = d.describe_rows({"partition_id": "p", "keys": keys, "packed": True}, None)
+    for col in ("indexes", "fields_of"):
+        assert isinstance(packed[col], bytes)
+        assert np.frombuffer(packed[col], dtype="<i8").tolist() == plain[col]
+    assert packed["field_sets"] == plain["field_sets"] == [["a", "b"], ["a"]]
+
+
+def test_int64_columns_round_trip_and_refuse_a_torn_column():
+    from tqtx.wire.columns import pack_int64, unpack_int64
+    values = [0, 1, -1, 2**62, -(2**63)]
+    assert list(unpack_int64(pack_int64(values))) == values
+    assert pack_int64([1]) == b"\x01" + b"\x00" * 7  # little-endian on every host
+    assert unpack_int64([3, 4]) == [3, 4]  # a plain list passes through
+    with pytest.raises(ValueError, match="int64 column of 9 bytes"):
+        unpack_int64(b"\x00" * 9)
