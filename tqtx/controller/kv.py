@@ -66,16 +66,6 @@ class HeldTags:
         return len(self._held)
 
 
-def _number(field_sets: list, ids: dict, obj: frozenset) -> int:
-    """The position of ``obj``'s names in ``field_sets`` (appended when new)."""
-    names = sorted(obj)
-    sid = ids.get(tuple(names))
-    if sid is None:
-        sid = ids[tuple(names)] = len(field_sets)
-        field_sets.append(names)
-    return sid
-
-
 class KVRequests:
     """Request handlers for keys and their metadata (no payload)."""
 
@@ -189,14 +179,16 @@ class KVRequests:
             raise PartitionNotFoundError(f"partition {pid!r} does not exist (not found)")
         indexes = part.indexes_of(keys)
         part.check_readable(keys, indexes)  # a dump must not promise rows no unit holds
-        # Field sets are shared objects (Metadata.share): number each once, by identity
-        # (C-level passes over the rows; Python work per distinct set only).
+        # Field sets are shared frozensets (Metadata.share, hashes cached): C-level passes
+        # over the rows, Python work per distinct set only.
         objs = list(map(part.fields.get, indexes, repeat(EMPTY)))
-        by_names: dict[tuple, int] = {}
+        set_ids = dict.fromkeys(objs)  # distinct by value, in first-seen order
         field_sets: list[list[str]] = []
-        ids = list(map(id, objs))
-        set_ids = {i: _number(field_sets, by_names, o) for i, o in dict(zip(ids, objs)).items()}
-        fields_of = list(map(set_ids.__getitem__, ids))
+        for sid, obj in enumerate(set_ids):
+            set_ids[obj] = sid
+            field_sets.append(sorted(obj))
+        fields_of = [0] * len(objs) if len(set_ids) == 1 else \
+            list(map(set_ids.__getitem__, objs))
         used = sorted(set().union(*field_sets)) if field_sets else []
         if body.get("packed"):  # int64 columns as raw bytes: no per-row msgpack work
             indexes, fields_of = pack_int64(indexes), pack_int64(fields_of)

@@ -34,7 +34,7 @@ class Partition:
 
     def indexes_of(self, keys: list[str]) -> list[int]:
         try:
-            return [self.keys[k] for k in keys]
+            return list(map(self.keys.__getitem__, keys))
         except KeyError:
             missing = [k for k in keys if k not in self.keys]
             raise KeysNotFoundError(missing, self.pid) from None
