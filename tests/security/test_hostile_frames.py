@@ -179,8 +179,9 @@ def test_fuzz_random_frames(tq_shared, frames):
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(op=st.sampled_from(["PUT_ROWS", "GET_ROWS", "DROP_ROWS", "APPLY_STAGED", "DROP_STAGED",
-                           "DUMP_WAIT", "DUMP_CANCEL", "STATS", "ALLOC", "COMMIT_PUT", "LOOKUP",
-                           "LIST", "CLEAR", "GET_RESTORE", "DESCRIBE_ROWS_BY_KEY",
+                           "DUMP_SNAPSHOT", "DUMP_WAIT", "DUMP_CANCEL", "STATS", "ALLOC",
+                           "COMMIT_PUT", "LOOKUP", "LIST", "CLEAR", "GET_RESTORE",
+                           "DESCRIBE_ROWS_BY_KEY", "TAKE_DUMP_TAGS",
                            "VALIDATE_DUMP_SCHEMA", "RESTORE_UNIT", "FINISH_RESTORE"]),
        body=st.recursive(st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1)
                          | st.text(max_size=8) | st.binary(max_size=8),
@@ -188,7 +189,8 @@ def test_fuzz_random_frames(tq_shared, frames):
                          | st.dictionaries(st.sampled_from(
                              ["partition_id", "keys", "rows", "indexes", "fields", "fresh",
                               "restore_id", "unit_id", "action", "schemas", "field_schema",
-                              "dump_id", "commit", "select_fields", "tags"]), kids, max_size=5),
+                              "dump_id", "commit", "select_fields", "tags", "fields_of",
+                              "field_sets", "hold_tags", "packed"]), kids, max_size=5),
                          max_leaves=12))
 def test_fuzz_wrong_shaped_bodies(tq_shared, op, body):
     """Valid msgpack of the wrong shape for every handler: an error reply, still serving."""
@@ -196,10 +198,28 @@ def test_fuzz_wrong_shaped_bodies(tq_shared, op, body):
     if isinstance(body, dict) and "partition_id" in body:
         body["partition_id"] = pid  # never touch other tests' partitions
     target = tq_shared["units"][2] if op in ("PUT_ROWS", "GET_ROWS", "DROP_ROWS", "APPLY_STAGED",
-                                              "DROP_STAGED", "DUMP_WAIT", "DUMP_CANCEL",
-                                              "STATS") else tq_shared["address"]
+                                              "DROP_STAGED", "DUMP_SNAPSHOT", "DUMP_WAIT",
+                                              "DUMP_CANCEL", "STATS") else tq_shared["address"]
     r = _send_all(target, {"c": [_req(op, body)]}, timeout=10)["c"]
     assert r is not None, f"{op} {body!r}: no reply"
     client = tq.get_client()
     assert client.unit(2).call("PING", timeout=10)["unit_id"] == 2
     client.controller.call("PING", timeout=10)
+
+
+def test_torn_dump_snapshot_columns_are_refused(tq_shared):
+    """Index and field-set columns that do not line up: refused, nothing held."""
+    from tqtx.wire.columns import pack_int64
+    unit = tq.get_client().unit(2)
+    dump_id = f"torn-{uuid.uuid4().hex[:6]}"
+    bad = [
+        ({"indexes": pack_int64([2, 6]), "fields_of": pack_int64([0]), "field_sets": [["x"]]},
+         "2 indexes but 1 field-set numbers"),
+        ({"indexes": pack_int64([2]), "fields_of": pack_int64([3]), "field_sets": [["x"]]},
+         "field-set number outside the 1 field sets"),
+        ({"indexes": b"\x00" * 12, "fields_of": [], "field_sets": []}, "int64 column of 12"),
+    ]
+    for body, message in bad:
+        with pytest.raises(ValueError, match=message):
+            unit.call("DUMP_SNAPSHOT", {"dump_id": dump_id, **body}, timeout=10)
+    assert dump_id not in unit.call("STATS", timeout=10)["open_dumps"]

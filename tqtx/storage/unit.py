@@ -153,12 +153,18 @@ class StorageUnit(RedoRestore, UnitAttach):
         C-level passes only: a stored row's dict is never changed in place (puts copy on
         write), so the writer picks the dumped fields out of the very dicts taken here.
         """
-        indexes = unpack_int64(body["indexes"])
+        indexes, fields_of = unpack_int64(body["indexes"]), unpack_int64(body["fields_of"])
+        if len(indexes) != len(fields_of):
+            raise ValueError(f"dump {body['dump_id']}: {len(indexes)} indexes but "
+                             f"{len(fields_of)} field-set numbers")
+        if fields_of and not 0 <= min(fields_of) <= max(fields_of) < len(body["field_sets"]):
+            raise ValueError(f"dump {body['dump_id']}: a field-set number outside the "
+                             f"{len(body['field_sets'])} field sets given")
         rows = list(map(self.rows.get, indexes))
         if None in rows:
             idx = indexes[rows.index(None)]
             raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
-        snapshot = list(zip(indexes, rows, unpack_int64(body["fields_of"])))
+        snapshot = list(zip(indexes, rows, fields_of))
         job = DumpJob(body["dump_id"], body.get("path"), snapshot, body["field_sets"],
                       self.unit_id)
         self.dump_jobs[job.dump_id] = job
