@@ -79,16 +79,20 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
                     "partition_id": row.get("partition_id")}, reason, action)
 
 
-def _mark_dump_journal(dump_dir: str, rid: str, state: str, state_dir: str | None = None) -> None:
+def _mark_dump_journal(dump_dir: str, rid: str, state: str, state_dir: str | None = None,
+                       journal: DumpJournal | None = None) -> None:
     # Without state_dir, a read-only dump's records are where this process put them before
-    # (tqtx.paths.records_location remembers it).
+    # (tqtx.paths.records_location remembers it). ``journal``: that dump journal, still open.
     with dump_lock(dump_dir, state_dir=state_dir):
-        with DumpJournal(dump_dir, state_dir=state_dir) as dj:
+        dj = journal if journal is not None else DumpJournal(dump_dir, state_dir=state_dir)
+        try:
             # one transaction: a row that is gone or already ended is left as it is
-            try:
-                dj.finish_restore(rid, state)
-            except (KeyError, st.IllegalTransition):
-                pass
+            dj.finish_restore(rid, state)
+        except (KeyError, st.IllegalTransition):
+            pass
+        finally:
+            if journal is None:
+                dj.close()
 
 
 def _finish(client, rid: str, *, commit: bool, cancel: bool = False, reason: str | None = None,
@@ -126,42 +130,72 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
         client.count("restores", report["rows_with_data"], report["bytes"])
         return report
     rid = new_id()
-    with dump_lock(dump_dir, state_dir=state_dir):
-        recover_publications(dump_dir)
-        index = fmt.read_dump_index(dump_dir)  # every check that needs no payload, before any write
-        pid = partition_id or index.partition_id
-        with DumpJournal(dump_dir, state_dir=state_dir) as dj:
-            for row in dj.active_restores():
-                settle_reader(client, dj, dump_dir, row, action="a second load of this dump")
-            # src lets the controller have a unit re-read its rows after the commit decision
-            rows = [[key, list(fields), tag, src] for key, src, fields, tag in index.rows]
-            nbytes = sum(s["size"] for s in index.shards)
-            plan = client.controller.call("BEGIN_RESTORE", {
-                "restore_id": rid, "partition_id": pid, "dump_dir": dump_dir,
-                "dump_id": index.dump_id, "rows": rows, "field_schema": index.field_schema,
-                "bytes": nbytes})
-            try:
-                dj.begin_restore(restore_id=rid, controller_address=client.address,
-                                 incarnation_id=plan["incarnation"],
-                                 controller_state_dir=client.topology["state_dir"],
-                                 partition_id=pid)
-            except BaseException as exc:
-                _finish(client, rid, commit=False, reason=f"dump journal: {exc}", dump_dir=dump_dir)
-                raise
+    opened: list[DumpJournal] = []  # the dump journal, opened once for the whole restore
+    try:
+        with dump_lock(dump_dir, state_dir=state_dir):
+            found = paths.find_dump_journal(dump_dir, state_dir)
+            if found is not None and paths.siblings_writable(dump_dir):  # as recover_publications
+                opened.append(DumpJournal(dump_dir, path=found))
+            recover_publications(dump_dir, opened[0] if opened else None)
+            # every check that needs no payload, before any write
+            index = fmt.read_dump_index(dump_dir)
+            pid = partition_id or index.partition_id
+            if not opened:
+                opened.append(DumpJournal(dump_dir, state_dir=state_dir))
+            plan = _begin(client, opened[0], dump_dir, rid, pid, index)
+        return _run_restore(client, dump_dir, rid, pid, index, plan, opened[0], t0)
+    finally:
+        for dj in opened:
+            dj.close()
+
+
+def _begin(client, dj: DumpJournal, dump_dir: str, rid: str, pid: str, index) -> dict:
+    """Settle earlier readers, BEGIN_RESTORE, then the dump journal's reader row."""
+    for row in dj.active_restores():
+        settle_reader(client, dj, dump_dir, row, action="a second load of this dump")
+    # src lets the controller have a unit re-read its rows after the commit decision
+    rows = [[key, list(fields), tag, src] for key, src, fields, tag in index.rows]
+    nbytes = sum(s["size"] for s in index.shards)
+    plan = client.controller.call("BEGIN_RESTORE", {
+        "restore_id": rid, "partition_id": pid, "dump_dir": dump_dir,
+        "dump_id": index.dump_id, "rows": rows, "field_schema": index.field_schema,
+        "bytes": nbytes})
+    try:
+        dj.begin_restore(restore_id=rid, controller_address=client.address,
+                         incarnation_id=plan["incarnation"],
+                         controller_state_dir=client.topology["state_dir"],
+                         partition_id=pid)
+    except BaseException as exc:
+        _finish(client, rid, commit=False, reason=f"dump journal: {exc}", dump_dir=dump_dir)
+        raise
+    return plan
+
+
+def _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0) -> dict:
+    """Units load and stage; FINISH_RESTORE commits (or abandons); the dump journal's row ends."""
     faults.hit("client.restore.after_begin")
     log.info("restore %s: begun from %s into %r (units %s)", rid, dump_dir, pid, plan["units"])
 
     locations = index.record_locations()
     per_unit: dict[int, dict] = {}
+    items_of: dict[int, list] = {}
+    names: dict = {}  # shard path -> its text, once per shard
+    num_units = plan["num_units"]
     read_bytes = 0
     for (key, src, fields, _tag), dest, new in zip(index.rows, plan["indexes"], plan["new"]):
         if not fields:
             continue
         path, offset, length, crc = locations[src]
-        u = dest % plan["num_units"]
-        per_unit.setdefault(u, {"restore_id": rid, "unit_id": u,
-                                "field_schema": index.field_schema, "items": []}
-                            )["items"].append([dest, bool(new), str(path), offset, length, crc, src])
+        name = names.get(path)
+        if name is None:
+            name = names[path] = str(path)
+        u = dest % num_units
+        items = items_of.get(u)
+        if items is None:
+            items = items_of[u] = []
+            per_unit[u] = {"restore_id": rid, "unit_id": u, "field_schema": index.field_schema,
+                           "items": items}
+        items.append([dest, bool(new), name, offset, length, crc, src])
         read_bytes += length
     uids = sorted(per_unit)
     # Only the controller can conclude this restore: if it dies or restarts while the
@@ -189,12 +223,12 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
         out = _finish(client, rid, commit=False, reason=f"unit {errors[0][0]}: {first}",
                       dump_dir=dump_dir)
         faults.hit("client.restore.after_abort")
-        _mark_dump_journal(dump_dir, rid, out["outcome"])
+        _mark_dump_journal(dump_dir, rid, out["outcome"], journal=dj)
         raise first
     faults.hit("client.restore.before_finish")
     out = _finish(client, rid, commit=True, dump_dir=dump_dir)
     faults.hit("client.restore.after_finish")
-    _mark_dump_journal(dump_dir, rid, out["outcome"])
+    _mark_dump_journal(dump_dir, rid, out["outcome"], journal=dj)
     if out["outcome"] != st.COMMITTED:
         raise RuntimeError(f"restore {rid} of {dump_dir} was {out['outcome']}: {out['reason']}")
     new_keys = sum(1 for n in plan["new"] if n)

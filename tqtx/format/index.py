@@ -279,6 +279,7 @@ def _check_rows(entries: list, field_schema: dict, rpath: Path) -> _Rows:
     keys_seen = set()
     gidx_key: dict[int, str] = {}
     with_data: dict[int, str] = {}
+    valid_fields: set[tuple] = set()  # field lists already checked (rows share a few)
     for r in entries:
         if type(r) is not list or len(r) != 4:
             raise file_error(rpath, f"malformed row entry {r!r}")
@@ -294,13 +295,20 @@ def _check_rows(entries: list, field_schema: dict, rpath: Path) -> _Rows:
                                     f"and {key!r}", key=key, global_index=gidx)
         gidx_key[gidx] = key
         if fields:
-            for f in fields:
-                if type(f) is not str or f not in field_schema:
-                    raise file_error(rpath, f"row {key!r} has field {f!r} missing from "
-                                            f"field_schema", key=key, global_index=gidx)
-            if len(fields) > 1 and len(set(fields)) != len(fields):
-                raise file_error(rpath, f"row {key!r} lists a field twice", key=key,
-                                 global_index=gidx)
+            try:
+                names = tuple(fields)
+                known = names in valid_fields
+            except TypeError:  # an unhashable entry: the checks below name it
+                names, known = None, False
+            if not known:
+                for f in fields:
+                    if type(f) is not str or f not in field_schema:
+                        raise file_error(rpath, f"row {key!r} has field {f!r} missing from "
+                                                f"field_schema", key=key, global_index=gidx)
+                if len(fields) > 1 and len(set(fields)) != len(fields):
+                    raise file_error(rpath, f"row {key!r} lists a field twice", key=key,
+                                     global_index=gidx)
+                valid_fields.add(names)
             with_data[gidx] = key
         rows.append((key, gidx, fields, tag))
     return _Rows(rpath, field_schema, rows, gidx_key, with_data)
@@ -365,6 +373,7 @@ def _check_records(records: list, s: dict, spath: Path, ipath: Path, rows: _Rows
     """Check one shard index's ``[gidx, offset, length, crc32]`` entries: inside the
     shard, not overlapping, each for a row with fields that has no other record."""
     size = s["size"]
+    last, ordered = -1, True  # written in offset order: no sort needed for the overlap check
     for rec in records:
         if type(rec) is not list or len(rec) != 4:
             raise file_error(ipath, f"malformed record entry {rec!r}")
@@ -387,8 +396,11 @@ def _check_records(records: list, s: dict, spath: Path, ipath: Path, rows: _Rows
                                     f"{record_shard[gidx]})", global_index=gidx,
                              key=rows.with_data[gidx])
         record_shard[gidx] = s["file"]
+        if offset < last:
+            ordered = False
+        last = offset
     prev_end = 0
-    for gidx, offset, length, _ in sorted(records, key=by_offset):
+    for gidx, offset, length, _ in (records if ordered else sorted(records, key=by_offset)):
         if offset < prev_end:
             raise file_error(spath, f"record for global index {gidx} overlaps the previous "
                                     f"record", global_index=gidx)

@@ -31,7 +31,7 @@ from ..paths import controller_journal_path, records_location
 from ..states import IllegalTransition, check
 from .meta import apply_change
 from .migrate import CONTROLLER, DUMP, current_revision, make_engine, upgrade_engine
-from .models import Dump, DumpRestore, Incarnation, RecoveryEvent, Restore, RestoreUnit
+from .models import Dump, Incarnation, RecoveryEvent
 
 # The reason the startup replay stores on the restores a previous incarnation left open.
 RESTART_REASON = "controller restarted"
@@ -109,6 +109,7 @@ _RESTORE_COLS = ("restore_id", "partition_id", "dump_dir", "dump_id", "state", "
                  "keys", "rows", "bytes", "incarnation_id", "created_at", "updated_at",
                  "finished_at")
 _UNIT_COLS = ("unit_id", "state", "rows", "bytes", "error")
+_UNITS_SQL = f"SELECT restore_id, {', '.join(_UNIT_COLS)} FROM restore_units"
 _PUB_COLS = ("attempt_id", "kind", "dump_id", "staging_dir", "phase", "error", "created_at",
              "updated_at")
 _DRESTORE_COLS = ("restore_id", "controller_address", "incarnation_id", "controller_state_dir",
@@ -157,72 +158,82 @@ class ControllerJournal(_Journal):
 
     # restores -----------------------------------------------------------------------
 
-    def _restore_dicts(self, s: Session, restores: list[Restore]) -> list[dict]:
-        ids = [r.restore_id for r in restores]
-        units: dict[str, list[dict]] = {i: [] for i in ids}
-        if ids:
-            q = (select(RestoreUnit).where(RestoreUnit.restore_id.in_(ids))
-                 .order_by(RestoreUnit.restore_id, RestoreUnit.unit_id))
-            for u in s.scalars(q):
-                units[u.restore_id].append(_cols(u, _UNIT_COLS))
-        out = []
-        for r in restores:
-            d = _cols(r, _RESTORE_COLS)
-            d["units"] = units[r.restore_id]
-            out.append(d)
+    def _restore_dicts(self, run, where: str = "", params: tuple = ()) -> list[dict]:
+        """Restores matching ``where`` (SQL after FROM restores), each with its claims."""
+        out = [dict(zip(_RESTORE_COLS, r)) for r in
+               run(f"SELECT {', '.join(_RESTORE_COLS)} FROM restores {where}", params).fetchall()]
+        units: dict[str, list[dict]] = {d["restore_id"]: [] for d in out}
+        ids = list(units)
+        for lo in range(0, len(ids), 500):  # SQLite bounds the parameters per statement
+            chunk = tuple(ids[lo:lo + 500])
+            for r in run(f"{_UNITS_SQL} WHERE restore_id IN ({', '.join('?' * len(chunk))}) "
+                         "ORDER BY restore_id, unit_id", chunk).fetchall():
+                units[r[0]].append(dict(zip(_UNIT_COLS, r[1:])))
+        for d in out:
+            d["units"] = units[d["restore_id"]]
         return out
 
-    def _get_restore(self, s: Session, restore_id: str) -> Restore:
-        r = s.get(Restore, restore_id)
-        if r is None:
+    def _restore(self, run, restore_id: str, *, missing_ok: bool = False) -> dict | None:
+        found = self._restore_dicts(run, "WHERE restore_id = ?", (restore_id,))
+        if not found and not missing_ok:
             raise KeyError(f"unknown restore {restore_id!r}")
-        return r
+        return found[0] if found else None
 
     def begin_restore(self, *, restore_id: str, partition_id: str, dump_dir: str,
                       dump_id: str | None, incarnation_id: int, units: list[int], keys: int,
                       rows: int, bytes: int) -> dict:  # noqa: A002 - column name
         """Create an ``active`` restore with one ``pending`` claim per unit (idempotent)."""
-        with self._tx() as s:
-            r = s.get(Restore, restore_id)
-            if r is None:
-                now = utcnow()
-                r = Restore(restore_id=restore_id, partition_id=partition_id,
-                            dump_dir=os.fspath(dump_dir), dump_id=dump_id,
-                            incarnation_id=incarnation_id, state=st.ACTIVE, keys=keys, rows=rows,
-                            bytes=bytes, created_at=now, updated_at=now)
-                s.add(r)
-                s.add_all(RestoreUnit(restore_id=restore_id, unit_id=int(u), state=st.PENDING,
-                                      created_at=now, updated_at=now)
-                          for u in sorted(set(units)))
-                s.flush()
-            return self._restore_dicts(s, [r])[0]
+        with self._sql() as run:
+            found = self._restore(run, restore_id, missing_ok=True)
+            if found is not None:
+                return found
+            now = utcnow()
+            r = {"restore_id": restore_id, "partition_id": partition_id,
+                 "dump_dir": os.fspath(dump_dir), "dump_id": dump_id, "state": st.ACTIVE,
+                 "outcome": None, "reason": None, "keys": keys, "rows": rows, "bytes": bytes,
+                 "incarnation_id": incarnation_id, "created_at": now, "updated_at": now,
+                 "finished_at": None}
+            run(f"INSERT INTO restores ({', '.join(_RESTORE_COLS)}) VALUES "
+                f"({', '.join('?' * len(_RESTORE_COLS))})", tuple(r[c] for c in _RESTORE_COLS))
+            claims = [(restore_id, int(u), st.PENDING, now, now) for u in sorted(set(units))]
+            if claims:
+                run("INSERT INTO restore_units (restore_id, unit_id, state, rows, bytes, "
+                    "created_at, updated_at) VALUES (?, ?, ?, 0, 0, ?, ?)", claims)
+            r["units"] = [{"unit_id": c[1], "state": st.PENDING, "rows": 0, "bytes": 0,
+                           "error": None} for c in claims]
+            return r
 
     def _unit_move(self, restore_id: str, unit_id: int, to: str, *, check_first: bool = False,
                    **fields) -> dict:
         restore_states = st.UNIT_NEEDS_RESTORE.get(to)
-        with self._tx() as s:
-            r = self._get_restore(s, restore_id)
-            u = s.scalars(select(RestoreUnit).where(RestoreUnit.restore_id == restore_id,
-                                                    RestoreUnit.unit_id == unit_id)).first()
-            if u is None:
+        with self._sql() as run:
+            # one statement: the restore's state and the claim (NULLs: no such claim)
+            row = run(f"SELECT r.state, {', '.join('u.' + c for c in _UNIT_COLS)} FROM restores r "
+                      "LEFT JOIN restore_units u ON u.restore_id = r.restore_id AND u.unit_id = ? "
+                      "WHERE r.restore_id = ?", (unit_id, restore_id)).fetchone()
+            if row is None:
+                raise KeyError(f"unknown restore {restore_id!r}")
+            rstate, u = row[0], dict(zip(_UNIT_COLS, row[1:]))
+            if u["unit_id"] is None:
                 raise KeyError(f"restore {restore_id!r} has no claim for unit {unit_id}")
 
             def _check_restore():
-                if restore_states is not None and r.state not in restore_states:
+                if restore_states is not None and rstate not in restore_states:
                     raise IllegalTransition(
-                        f"restore {restore_id!r} unit {unit_id}: cannot move {u.state} -> {to} "
-                        f"while the restore is {r.state} (needs {'/'.join(restore_states)})")
+                        f"restore {restore_id!r} unit {unit_id}: cannot move {u['state']} -> "
+                        f"{to} while the restore is {rstate} (needs {'/'.join(restore_states)})")
 
             if check_first:
                 _check_restore()
-            if not check(st.UNIT, u.state, to, subject=f"restore {restore_id!r} unit {unit_id}"):
-                return _cols(u, _UNIT_COLS)
+            if not check(st.UNIT, u["state"], to, subject=f"restore {restore_id!r} unit {unit_id}"):
+                return u
             _check_restore()
-            u.state = to
-            u.updated_at = utcnow()
-            for k, v in fields.items():
-                setattr(u, k, v)
-            return _cols(u, _UNIT_COLS)
+            u["state"] = to
+            u.update(fields)
+            sets = ", ".join(f"{k} = ?" for k in ("state", "updated_at", *fields))
+            run(f"UPDATE restore_units SET {sets} WHERE restore_id = ? AND unit_id = ?",
+                (to, utcnow(), *fields.values(), restore_id, unit_id))
+            return u
 
     def claim_unit(self, restore_id: str, unit_id: int) -> dict:
         """pending -> claimed; the restore must be ``active``. Re-claiming is a no-op."""
@@ -249,38 +260,37 @@ class ControllerJournal(_Journal):
         say commit: every claim is ``staged``. Repeating is a no-op. ``plan`` (the encoded
         restore plan) is stored with the decision, so a restarted controller can roll the
         restore forward."""
-        with self._tx() as s:
-            r = self._get_restore(s, restore_id)
-            if check(st.RESTORE, r.state, st.COMMITTING, subject=f"restore {restore_id!r}"):
-                units = s.scalars(select(RestoreUnit).where(
-                    RestoreUnit.restore_id == restore_id)).all()
-                if st.restore_decision(u.state for u in units) != st.COMMIT:
-                    detail = ", ".join(f"unit {u.unit_id}: {u.state}"
-                                       for u in sorted(units, key=lambda u: u.unit_id)
-                                       if u.state != st.STAGED)
+        with self._sql() as run:
+            r = self._restore(run, restore_id)
+            if check(st.RESTORE, r["state"], st.COMMITTING, subject=f"restore {restore_id!r}"):
+                units = r["units"]
+                if st.restore_decision(u["state"] for u in units) != st.COMMIT:
+                    detail = ", ".join(f"unit {u['unit_id']}: {u['state']}" for u in units
+                                       if u["state"] != st.STAGED)
                     raise IllegalTransition(
-                        f"restore {restore_id!r}: illegal transition {r.state} -> committing "
+                        f"restore {restore_id!r}: illegal transition {r['state']} -> committing "
                         f"(not every claim is staged: {detail})")
-                r.state = st.COMMITTING
-                r.plan = plan
-                r.updated_at = utcnow()
-            return self._restore_dicts(s, [r])[0]
+                r["state"], r["updated_at"] = st.COMMITTING, utcnow()
+                run("UPDATE restores SET state = ?, plan = ?, updated_at = ? WHERE restore_id = ?",
+                    (r["state"], plan, r["updated_at"], restore_id))
+            return r
 
     def restore_plan(self, restore_id: str) -> bytes | None:
         """The plan stored with a restore's commit decision (None once it ended)."""
-        with self._tx() as s:
-            r = s.get(Restore, restore_id)
-            return None if r is None else r.plan
+        with self._sql() as run:
+            row = run("SELECT plan FROM restores WHERE restore_id = ?", (restore_id,)).fetchone()
+        return None if row is None else row[0]
 
     def note_reason(self, restore_id: str, reason: str | None) -> dict:
         """Record why a restore that is not final yet is still unresolved (no state change),
         e.g. ``redo_failed: <dump>: ...`` on a ``committing`` restore; final ones are kept."""
-        with self._tx() as s:
-            r = self._get_restore(s, restore_id)
-            if r.state not in st.RESTORE_FINAL and r.reason != reason:
-                r.reason = reason
-                r.updated_at = utcnow()
-            return self._restore_dicts(s, [r])[0]
+        with self._sql() as run:
+            r = self._restore(run, restore_id)
+            if r["state"] not in st.RESTORE_FINAL and r["reason"] != reason:
+                r["reason"], r["updated_at"] = reason, utcnow()
+                run("UPDATE restores SET reason = ?, updated_at = ? WHERE restore_id = ?",
+                    (reason, r["updated_at"], restore_id))
+            return r
 
     def finish_restore(self, restore_id: str, outcome: str, reason: str | None = None, *,
                        restart: bool = False, meta_change=None) -> dict:
@@ -294,26 +304,30 @@ class ControllerJournal(_Journal):
         """
         if outcome not in st.RESTORE_FINAL:
             raise IllegalTransition(f"restore {restore_id!r}: {outcome!r} is not a final state")
-        with self._tx() as s:
-            r = self._get_restore(s, restore_id)
-            if not check(st.RESTORE, r.state, outcome, subject=f"restore {restore_id!r}",
+        with self._engine.begin() as conn:
+            run = conn.exec_driver_sql
+            r = self._restore(run, restore_id)
+            if not check(st.RESTORE, r["state"], outcome, subject=f"restore {restore_id!r}",
                          restart=restart, detail=f" (reason {reason!r})" if reason else ""):
-                return self._restore_dicts(s, [r])[0]
+                return r
             now = utcnow()
-            r.state = r.outcome = outcome
-            r.reason = reason
-            r.plan = None
-            r.updated_at = r.finished_at = now
+            run("UPDATE restores SET state = ?, outcome = ?, reason = ?, plan = NULL, "
+                "updated_at = ?, finished_at = ? WHERE restore_id = ?",
+                (outcome, outcome, reason, now, now, restore_id))
+            r.update(state=outcome, outcome=outcome, reason=reason, updated_at=now,
+                     finished_at=now)
             if meta_change:
-                conn = s.connection()
-                apply_change(conn.exec_driver_sql, meta_change)
+                # the raw cursor's executemany: a commit publishes every key of the restore
+                apply_change(conn.connection.driver_connection.executemany, meta_change)
             if outcome != st.COMMITTED:
-                for u in s.scalars(select(RestoreUnit).where(
-                        RestoreUnit.restore_id == restore_id,
-                        RestoreUnit.state.not_in(st.UNIT_FINAL))):
-                    u.state = st.DROPPED
-                    u.updated_at = now
-            return self._restore_dicts(s, [r])[0]
+                final = tuple(st.UNIT_FINAL)
+                run(f"UPDATE restore_units SET state = ?, updated_at = ? WHERE restore_id = ? "
+                    f"AND state NOT IN ({', '.join('?' * len(final))})",
+                    (st.DROPPED, now, restore_id, *final))
+                for u in r["units"]:
+                    if u["state"] not in final:
+                        u["state"] = st.DROPPED
+            return r
 
     def abort_after_restart(self, restore_id: str) -> dict:
         """End a restore a previous controller incarnation left open as ``aborted`` with reason
@@ -322,27 +336,25 @@ class ControllerJournal(_Journal):
 
     def get_restore(self, restore_id: str) -> dict | None:
         """The restore with its claims, or None."""
-        with self._tx() as s:
-            r = s.get(Restore, restore_id)
-            return None if r is None else self._restore_dicts(s, [r])[0]
+        with self._sql() as run:
+            return self._restore(run, restore_id, missing_ok=True)
 
     def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
                       limit: int | None = None) -> list[dict]:
         """Restores (newest first), optionally filtered by state or id."""
-        q = select(Restore).order_by(Restore.created_at.desc(), Restore.restore_id)
-        if state is not None:
-            q = q.where(Restore.state == state)
-        if restore_id is not None:
-            q = q.where(Restore.restore_id == restore_id)
-        with self._tx() as s:
-            return self._restore_dicts(s, list(s.scalars(q.limit(limit))))
+        where = [(c, v) for c, v in (("state", state), ("restore_id", restore_id)) if v is not None]
+        sql = (f"{'WHERE ' if where else ''}{' AND '.join(f'{c} = ?' for c, _ in where)} "
+               "ORDER BY created_at DESC, restore_id LIMIT ?")
+        with self._sql() as run:
+            return self._restore_dicts(run, sql, (*(v for _, v in where),
+                                                  -1 if limit is None else limit))
 
     def unresolved_restores(self) -> list[dict]:
         """Restores not in a final state, oldest first."""
-        q = (select(Restore).where(Restore.state.not_in(st.RESTORE_FINAL))
-             .order_by(Restore.created_at, Restore.restore_id))
-        with self._tx() as s:
-            return self._restore_dicts(s, list(s.scalars(q)))
+        final = tuple(st.RESTORE_FINAL)
+        with self._sql() as run:
+            return self._restore_dicts(run, f"WHERE state NOT IN ({', '.join('?' * len(final))}) "
+                                            "ORDER BY created_at, restore_id", final)
 
     # dumps / recovery -----------------------------------------------------------------
 
@@ -474,42 +486,48 @@ class DumpJournal(_Journal):
 
     # restores -------------------------------------------------------------------------
 
+    def _restore_row(self, run, restore_id: str) -> dict | None:
+        row = run(f"SELECT {', '.join(_DRESTORE_COLS)} FROM restores WHERE restore_id = ?",
+                  (restore_id,)).fetchone()
+        return None if row is None else dict(zip(_DRESTORE_COLS, row))
+
     def begin_restore(self, *, restore_id: str, controller_address: str,
                       incarnation_id: int | None, controller_state_dir: str | None,
                       partition_id: str) -> dict:
         """Record a restore reading this dump, state ``reading`` (idempotent by restore_id)."""
-        with self._tx() as s:
-            r = s.get(DumpRestore, restore_id)
+        with self._sql() as run:
+            r = self._restore_row(run, restore_id)
             if r is None:
                 now = utcnow()
-                r = DumpRestore(restore_id=restore_id, controller_address=controller_address,
-                                incarnation_id=incarnation_id,
-                                controller_state_dir=(None if controller_state_dir is None
-                                                      else os.fspath(controller_state_dir)),
-                                partition_id=partition_id, state=st.READING, created_at=now,
-                                updated_at=now)
-                s.add(r)
-                s.flush()
-            return _cols(r, _DRESTORE_COLS)
+                r = {"restore_id": restore_id, "controller_address": controller_address,
+                     "incarnation_id": incarnation_id,
+                     "controller_state_dir": (None if controller_state_dir is None
+                                              else os.fspath(controller_state_dir)),
+                     "partition_id": partition_id, "state": st.READING, "created_at": now,
+                     "updated_at": now}
+                run(f"INSERT INTO restores ({', '.join(_DRESTORE_COLS)}) VALUES "
+                    f"({', '.join('?' * len(_DRESTORE_COLS))})",
+                    tuple(r[c] for c in _DRESTORE_COLS))
+            return r
 
     def finish_restore(self, restore_id: str, state: str) -> dict:
         """reading -> committed|aborted|cancelled|failed (same state again is a no-op)."""
         if state not in st.DUMP_RESTORE_FINAL:
             raise IllegalTransition(f"restore {restore_id!r}: {state!r} is not a final state")
-        with self._tx() as s:
-            r = s.get(DumpRestore, restore_id)
+        with self._sql() as run:
+            r = self._restore_row(run, restore_id)
             if r is None:
                 raise KeyError(f"unknown restore {restore_id!r}")
-            if check(st.DUMP_RESTORE, r.state, state, subject=f"restore {restore_id!r}"):
-                r.state = state
-                r.updated_at = utcnow()
-            return _cols(r, _DRESTORE_COLS)
+            if check(st.DUMP_RESTORE, r["state"], state, subject=f"restore {restore_id!r}"):
+                r["state"], r["updated_at"] = state, utcnow()
+                run("UPDATE restores SET state = ?, updated_at = ? WHERE restore_id = ?",
+                    (state, r["updated_at"], restore_id))
+            return r
 
     def get_restore(self, restore_id: str) -> dict | None:
         """One restore row, or None."""
-        with self._tx() as s:
-            r = s.get(DumpRestore, restore_id)
-            return None if r is None else _cols(r, _DRESTORE_COLS)
+        with self._sql() as run:
+            return self._restore_row(run, restore_id)
 
     def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
                       limit: int | None = None) -> list[dict]:
