@@ -2,7 +2,10 @@
 
 V1 is what a trainer did before tqtx: ``kv_batch_get`` + ``torch.save`` to one file (and
 ``torch.load`` + ``kv_batch_put`` back). The floor is one process writing or reading the
-same number of bytes with plain ``os.write`` / ``readinto``.
+same number of bytes with plain ``os.write`` / ``readinto``. For restores there is a second
+reference, the *kept-read floor* (:func:`floor_read_kept`): one process reading every record
+into its own fresh buffer, kept until the end, and checking its CRC-32C, which is the least
+any restore into rows that own their bytes has to do.
 """
 from __future__ import annotations
 
@@ -55,6 +58,33 @@ def floor_read(files) -> tuple[float, int]:
                     break
                 total += n
     return time.perf_counter() - t0, total
+
+
+def floor_read_kept(dump_dir) -> tuple[float, int]:
+    """One process: every record of the dump's shards read with one ``pread`` into a
+    fresh buffer of its own (first touch included, no zero-fill), its CRC-32C checked, all
+    buffers kept until the end. The shard indexes are read before the clock starts."""
+    from tqtx import format as fmt
+    index = fmt.read_dump_index(dump_dir)
+    plan = [(s["path"], s["records"]) for s in index.shards]
+    kept, total = [], 0
+    t0 = time.perf_counter()
+    for path, records in plan:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for _gidx, offset, length, crc in records:
+                buf = os.pread(fd, length, offset)  # a new bytes object: no zero-fill
+                if len(buf) != length:
+                    raise OSError(f"{path}: short read at {offset}")
+                if fmt.checksum(buf) != crc:
+                    raise ValueError(f"{path}: checksum mismatch at {offset}")
+                kept.append(buf)
+                total += length
+        finally:
+            os.close(fd)
+    dt = time.perf_counter() - t0
+    del kept
+    return dt, total
 
 
 def v1_save(tq, keys, pid, path) -> int:

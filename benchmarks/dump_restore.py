@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     MiB, PeakRSS, drop_cache, files_of, fs_type, median, reset_peak, rm,
 )
-from baselines import floor_read, floor_write, v1_restore, v1_save  # noqa: E402
+from baselines import floor_read, floor_read_kept, floor_write, v1_restore, v1_save  # noqa: E402
 from journal_micro import controller_journal_micro, dump_journal_micro  # noqa: E402
 
 
@@ -181,7 +181,7 @@ class Bench:
         tq.dump_data_by_key(src_v2, keys, pid)
         v1_bytes = v1_save(tq, keys, pid, src_v1)
         files = files_of(src_v2)
-        res = {v: [] for v in ("V1", "V2 units", "V2 client", "floor")}
+        res = {v: [] for v in ("V1", "V2 units", "V2 client", "floor", "kept floor")}
         cmem = {v: [] for v in ("V1", "V2 units", "V2 client")}
         umem = {v: [] for v in ("V1", "V2 units", "V2 client")}
         nbytes = {"V1": v1_bytes}
@@ -216,7 +216,12 @@ class Bench:
             res["floor"].append(dt)
             nbytes["floor"] = n
 
-        variants = [run_v1, run_v2("units"), run_v2("client"), run_floor]
+        def run_kept_floor():
+            drop_cache(src_v2)
+            dt, _ = floor_read_kept(src_v2)
+            res["kept floor"].append(dt)
+
+        variants = [run_v1, run_v2("units"), run_v2("client"), run_floor, run_kept_floor]
         for rep in range(reps):
             for i in range(len(variants)):
                 variants[(i + rep) % len(variants)]()
@@ -238,6 +243,7 @@ class Bench:
             "V2/V1 throughput": out["gbps"]["V2 units"] / out["gbps"]["V1"],
             "V2/floor": s["V2 units"] / s["floor"],
             "V2client/floor": s["V2 client"] / s["floor"],
+            "V2/kept floor": s["V2 units"] / s["kept floor"],
             "units RSS growth/bytes (V2 units)": out["units_peak_rss_growth"]["V2 units"] / b,
             "client RSS growth/bytes (V2 units)": out["client_peak_rss_growth"]["V2 units"] / b,
         }
