@@ -227,15 +227,6 @@ class RestoreProtocol:
         """Commit (decision journaled first, then units apply, then metadata) or abandon."""
         rid = body["restore_id"]
         plan = self.restores.get(rid)
-        if plan is not None and body.get("commit") and not body.get("cancel"):
-            # The usual case first: the decision's own transaction checks that every claim
-            # is staged; if it refuses, the journal is read below and decides as always.
-            try:
-                decided = self.journal.decide_commit(rid, self._encoded(plan))
-            except (KeyError, IllegalTransition):
-                decided = None
-            if decided is not None:
-                return self._outcome(self._commit(plan, decided))
         rec = self.journal.get_restore(rid)
         if rec is None:
             raise RuntimeError(f"restore {rid} is unknown to this controller")
@@ -283,9 +274,9 @@ class RestoreProtocol:
         """The plan to store with the commit decision (when metadata is journaled)."""
         return plan.encode() if self.metajournal.enabled else None
 
-    def _commit(self, plan: RestorePlan, decided: dict | None = None) -> dict:
-        """Roll a restore forward: decision (``decided``: already journaled, its record),
-        then every unit applies, then metadata; returns the committed restore's record.
+    def _commit(self, plan: RestorePlan) -> dict:
+        """Roll a restore forward: decision (journaled; repeating it is a no-op), then every
+        unit applies, then metadata; returns the committed restore's record.
 
         Once decided, a commit only moves forward. An apply that fails or gets no reply is
         retried with the same request ID (so a unit applies once); if a unit still has not
@@ -293,8 +284,7 @@ class RestoreProtocol:
         FINISH_RESTORE (``recover_data_load``) continues from the journal.
         """
         rid = plan.restore_id
-        rec = decided if decided is not None else self.journal.decide_commit(
-            rid, self._encoded(plan))
+        rec = self.journal.decide_commit(rid, self._encoded(plan))
         log.info("restore %s: commit decided", rid)
         faults.hit("controller.restore.after_commit_decision")
         todo = self._apply_everywhere(plan, rec)
