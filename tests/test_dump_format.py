@@ -252,6 +252,7 @@ def test_partial_writev(tmp_path, monkeypatch):
 
 def test_large_rows_use_async_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_mod, "_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(shard_mod, "_ASYNC_MIN_BYTES", 1 << 20)
     rows = [(i, {"x": T("uint8", [300_000], i % 7)}) for i in range(20)]
     w = F.ShardWriter(tmp_path / "s.bin")
     w.write_rows(iter(rows))

@@ -14,10 +14,10 @@ from crc32c import crc32c as checksum  # CRC-32C (Castagnoli), hardware-accelera
 
 from tqtx.errors import DumpFormatError, DumpNotFoundError
 from tqtx.wire import codec
-from tqtx.wire.values import DTYPE_SIZES, RawTensor
+from tqtx.wire.values import DTYPE_NAMES, DTYPE_SIZES, RawTensor, shared_shape
 
-__all__ = ["PREFIX_SIZE", "RECORD_MAGIC", "checksum", "decode_record", "encode_record",
-           "encode_record_parts", "file_error", "is_int"]
+__all__ = ["PREFIX_SIZE", "RECORD_MAGIC", "RecordEncoder", "checksum", "decode_record",
+           "encode_record", "encode_record_parts", "file_error", "is_int"]
 
 RECORD_MAGIC = b"TQR1"
 _PREFIX = struct.Struct("<4sI")
@@ -26,6 +26,10 @@ PREFIX_SIZE = _PREFIX.size  # 8: magic + header length
 # Tensor payloads up to this size are copied next to the header (one iovec per record
 # instead of one per field); larger ones are handed to writev as they are.
 _SMALL_PAYLOAD = 4096
+# Small payloads are joined into the record's first buffer only up to this many bytes in
+# all; above it they are handed to writev as they are too (their place in the record
+# stays the same).
+_JOIN_SMALL = 1024
 
 _tensor_of = RawTensor.of  # skips RawTensor.__init__'s shape conversion for checked headers
 
@@ -74,50 +78,127 @@ def _payload(tensor: RawTensor, gidx, name):
     return data, n
 
 
-def encode_record_parts(gidx: int, row: dict) -> tuple[bytes, list, int]:
+# Header pieces, so a record's header is built by joining bytes rather than by packing a
+# fresh dict per row: {"i": gidx, "f": {...}} packs as these constants around the parts.
+_HEAD_I = b"\x82\xa1i"  # fixmap(2), "i"
+_HEAD_F = b"\xa1f"  # "f"
+_FIXMAP = [bytes([0x80 | n]) for n in range(16)]
+_TENSOR_SPEC = b"\x95\xa1t"  # ["t", ... (5 items)
+_OBJECT_SPEC = b"\x92\xa1o"  # ["o", ... (2 items)
+_FIELD_CACHE_MAX = 1 << 14
+_PLAIN = frozenset([str, int, float, bool, bytes, type(None)])
+
+
+class RecordEncoder:
+    """Encodes records with one msgpack Packer and a cache of the checked tensor field
+    layouts seen so far, ``(name, dtype, shape) -> (the field's header bytes up to its
+    offset, nbytes, packed nbytes)``: rows of one layout skip the checks and the packing.
+    One per writer and thread; the cache goes with it (a dump's layouts are not kept).
+    ``(name, dtype)`` keys hold the packed name and dtype of new shapes."""
+
+    __slots__ = ("pack", "fields")
+
+    def __init__(self):
+        self.pack = msgpack.Packer(use_bin_type=True).pack
+        self.fields: dict = {}
+
+
+def _tensor_field(name, value: RawTensor, gidx, pack, cache) -> tuple[bytes, int, bytes]:
+    """Check a tensor field's name, dtype and shape; its header bytes up to the offset."""
+    known = cache.get((name, value.dtype)) if type(value.dtype) is str else None
+    if known is None:
+        if type(name) is not str:
+            raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
+        size = DTYPE_SIZES.get(value.dtype) if type(value.dtype) is str else None
+        if size is None:
+            raise ValueError(f"global index {gidx}, field {name!r}: unknown dtype "
+                             f"{value.dtype!r}")
+        known = cache[(name, value.dtype)] = (pack(name) + _TENSOR_SPEC + pack(value.dtype),
+                                              size)
+    n = known[1]
+    for s in value.shape:
+        if s < 0:
+            raise ValueError(f"global index {gidx}, field {name!r}: negative dimension in "
+                             f"shape {list(value.shape)}")
+        n *= s
+    return known[0] + pack(list(value.shape)), n, pack(n)
+
+
+def encode_record_parts(gidx: int, row: dict,
+                        encoder: RecordEncoder | None = None) -> tuple[bytes, list, int]:
     """Encode one row as ``(head, large_payloads, length)`` without a checksum.
 
-    ``head`` is prefix, header and small payloads joined; ``large_payloads`` are the row's
-    own buffers. Raises ValueError/TypeError for values that cannot be stored.
+    ``head`` is the prefix and header (small payloads joined to it when they are few
+    bytes); ``large_payloads`` are the rest of the record, the row's own buffers.
+    ``encoder``: a :class:`RecordEncoder` to reuse (batch callers). Raises
+    ValueError/TypeError for values that cannot be stored.
     """
     if type(gidx) is not int:
         if not is_int(gidx):
             raise TypeError(f"global index must be an int, not {type(gidx).__name__}")
         gidx = int(gidx)
-    fields: dict = {}
-    tensors = []
+    if encoder is None:
+        encoder = RecordEncoder()
+    pack, cache = encoder.pack, encoder.fields
+    fields = []  # in row order: (cache entry, payload) of a tensor, (header bytes, None) else
     small_total = 0
     for name, value in row.items():
-        if type(name) is not str:
-            raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
         if isinstance(value, RawTensor):
-            buf, n = _payload(value, gidx, name)
-            tensors.append((name, value, buf, n))
-            if n <= _SMALL_PAYLOAD:
-                small_total += n
-            fields[name] = None  # keeps the row's field order
+            try:
+                ent = cache[(name, value.dtype, value.shape)]
+            except (KeyError, TypeError):
+                ent = _tensor_field(name, value, gidx, pack, cache)
+                if type(value.shape) is tuple and type(value.dtype) is str:
+                    if len(cache) >= _FIELD_CACHE_MAX:
+                        cache.clear()
+                    cache[(name, value.dtype, value.shape)] = ent
+            data = value.data
+            if type(data) is bytes:
+                if len(data) != ent[1]:
+                    data = _payload(value, gidx, name)[0]  # raises
+            elif type(data) is not memoryview or data.nbytes != ent[1] or data.ndim != 1 \
+                    or data.format != "B" or not data.c_contiguous:
+                data = _payload(value, gidx, name)[0]  # a 1-D byte view, or the error
+            if ent[1] <= _SMALL_PAYLOAD:
+                small_total += ent[1]
+            fields.append((ent, data))
+        elif type(name) is not str:
+            raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
         else:
-            fields[name] = ["o", codec.packb(value)]
+            # codec.packb of a plain scalar is what our packer makes of it, without a Packer
+            # per call (it needs its hook only for tensors and sets)
+            obj = pack(value) if type(value) in _PLAIN else codec.packb(value)
+            fields.append((b"".join([pack(name), _OBJECT_SPEC, pack(obj)]), None))
+    nf = len(fields)
+    hparts = [_HEAD_I, pack(gidx), _HEAD_F, _FIXMAP[nf] if nf < 16 else
+              msgpack.Packer().pack_map_header(nf)]
     # Small payloads go first, joined with the header; large ones follow as their own iovecs.
     small_parts = []
     large = []
     small_off, large_off = 0, small_total
-    for name, value, buf, n in tensors:
+    for ent, data in fields:
+        if data is None:
+            hparts.append(ent)
+            continue
+        pre, n, packed_n = ent
         if n <= _SMALL_PAYLOAD:
-            fields[name] = ["t", value.dtype, list(value.shape), small_off, n]
+            hparts += (pre, pack(small_off), packed_n)
             small_off += n
             if n:
-                small_parts.append(buf)
+                small_parts.append(data)
         else:
-            fields[name] = ["t", value.dtype, list(value.shape), large_off, n]
+            hparts += (pre, pack(large_off), packed_n)
             large_off += n
-            large.append(buf)
-    header = msgpack.packb({"i": gidx, "f": fields}, use_bin_type=True)
+            large.append(data)
+    header = b"".join(hparts)
     if len(header) > 0xFFFFFFFF:
         raise ValueError(f"global index {gidx}: record header too large ({len(header)} bytes)")
     prefix = _PREFIX.pack(RECORD_MAGIC, len(header))
-    head = b"".join([prefix, header, *small_parts]) if small_parts else prefix + header
-    return head, large, len(head) + large_off - small_total
+    length = len(prefix) + len(header) + large_off
+    if small_total <= _JOIN_SMALL:
+        return b"".join([prefix, header, *small_parts]), large, length
+    # copying kilobytes per row costs more than an iovec per payload
+    return prefix + header, small_parts + large, length
 
 
 def encode_record(gidx: int, row: dict) -> tuple[list, int, int]:
@@ -225,7 +306,8 @@ def decode_record(buf, *, expected_gidx: int | None = None,
                 raise _bad(where, f"field {name!r} payload at {off} overlaps or leaves a gap "
                                   f"(expected {pos})")
             pos += n
-            row[name] = _tensor_of(dtype, tuple(shape), view[start + off:start + pos])
+            row[name] = _tensor_of(DTYPE_NAMES[dtype], shared_shape(tuple(shape)),
+                                   view[start + off:start + pos])
     if pos != payload:
         raise _bad(where, f"record length mismatch: header describes {pos} payload bytes, "
                           f"record has {payload}")

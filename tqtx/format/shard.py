@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 from tqtx import faults, fsutil
 from tqtx.errors import DumpFormatError
 
-from .records import checksum, decode_record, encode_record_parts, file_error
+from .records import RecordEncoder, checksum, decode_record, encode_record_parts, file_error
 
 SHARDS_DIR = "shards"
 
@@ -18,7 +18,7 @@ SHARDS_DIR = "shards"
 # rows does not keep every source buffer alive); batches of at least _ASYNC_MIN_BYTES are
 # written by a helper thread while the next one is checksummed.
 _BATCH_BYTES = 8 << 20
-_ASYNC_MIN_BYTES = 1 << 20
+_ASYNC_MIN_BYTES = 4 << 20
 
 
 def shard_file_name(unit) -> str:
@@ -56,7 +56,8 @@ class ShardWriter:
         """Append one record per ``(global_index, row)``, batched through os.writev.
 
         Large batches are written by a helper thread while the next batch is encoded
-        and checksummed (both release the GIL), so crc32 and copying overlap.
+        and checksummed (both release the GIL), so crc32 and copying overlap; the last
+        batch is written by the calling thread (nothing is left to overlap with).
         """
         if self.fd is None:
             raise ValueError(f"{self.path}: shard writer is closed")
@@ -67,9 +68,10 @@ class ShardWriter:
         inflight: Future | None = None
         crc32 = checksum
         iov_max = fsutil.IOV_MAX
+        encoder = RecordEncoder()
         try:
             for gidx, row in rows:
-                head, large, length = encode_record_parts(gidx, row)
+                head, large, length = encode_record_parts(gidx, row, encoder)
                 if iov and (len(iov) + 1 + len(large) > iov_max
                             or pending_bytes >= _BATCH_BYTES):
                     inflight = self._submit(inflight, iov, pending, pending_bytes)
@@ -82,10 +84,11 @@ class ShardWriter:
                 pending.append([gidx, offset, length, crc])
                 pending_bytes += length
                 offset += length
-            if iov:
-                inflight = self._submit(inflight, iov, pending, pending_bytes)
             if inflight is not None:
-                inflight.result()
+                inflight, done = None, inflight
+                done.result()
+            if iov:
+                self._flush(iov, pending, pending_bytes)
         except BaseException:
             if inflight is not None:
                 inflight.exception()  # wait: the file must not be written behind our back

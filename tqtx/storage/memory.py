@@ -21,7 +21,7 @@ import os
 import threading
 
 from ..wire.codec import INLINE_LIMIT
-from ..wire.values import RawTensor
+from ..wire.values import DTYPE_NAMES, RawTensor, shared_shape
 
 log = logging.getLogger("tqtx.unit")
 
@@ -132,12 +132,21 @@ SHARED_RECV_LIMIT = 8192
 
 def own_small_frames(values: dict) -> dict:
     """A put row's field values with every tensor frame small enough to share a ZeroMQ
-    receive buffer copied into bytes of its own (larger ones stay zero-copy)."""
+    receive buffer copied into bytes of its own (larger ones stay zero-copy), and each
+    tensor's dtype name and shape shared with the rows stored before (see share_header)."""
     out = None
     for field, v in values.items():
-        if type(v) is RawTensor and type(v.data) is memoryview and \
-                INLINE_LIMIT < v.data.nbytes <= SHARED_RECV_LIMIT:
-            if out is None:
-                out = dict(values)
-            out[field] = v.compact()
+        if type(v) is RawTensor:
+            share_header(v)
+            if type(v.data) is memoryview and INLINE_LIMIT < v.data.nbytes <= SHARED_RECV_LIMIT:
+                if out is None:
+                    out = dict(values)
+                out[field] = RawTensor.of(v.dtype, v.shape, bytes(v.data))
     return values if out is None else out
+
+
+def share_header(v: RawTensor) -> None:
+    """Point a fresh, not yet stored tensor's dtype and shape at shared equal objects."""
+    v.dtype = DTYPE_NAMES.get(v.dtype, v.dtype)
+    if v.shape:
+        v.shape = shared_shape(v.shape)

@@ -16,6 +16,21 @@ DTYPE_SIZES: dict[str, int] = {
     "complex64": 8, "complex128": 16,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
+# A decoded tensor header is a new dtype str (~60 bytes) and shape tuple (48 bytes for 1-D,
+# plus 32 per int over 256) per tensor: a process holding many rows shares equal ones.
+DTYPE_NAMES: dict[str, str] = {name: name for name in DTYPE_SIZES}  # name -> one str object
+_SHAPES: dict = {}
+_SHAPES_MAX = 1024
+
+
+def shared_shape(shape: tuple) -> tuple:
+    """An equal shape tuple already in use if one is known (bounded cache), else ``shape``."""
+    got = _SHAPES.get(shape)
+    if got is None:
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()
+        _SHAPES[shape] = got = shape
+    return got
 
 
 class RawTensor:

@@ -1,0 +1,38 @@
+"""What a stored row costs: put rows and restored records share dtype names and shapes."""
+from __future__ import annotations
+
+from tqtx import format as F
+from tqtx.storage.memory import own_small_frames
+from tqtx.wire import codec
+from tqtx.wire.values import RawTensor
+
+
+def _put_rows(n: int) -> list[dict]:
+    """Rows as a unit decodes them from a PUT_ROWS message (fresh header objects each)."""
+    rows = [{"a": RawTensor("int64", [300], bytes(2400)),
+             "b": RawTensor("float32", [300], memoryview(bytearray(1200 * 6))[:1200]),
+             "c": RawTensor("int64", [1000], bytes(8000)), "r": RawTensor("float32", [], bytes(4)),
+             "s": "text"} for _ in range(n)]
+    return [codec.decode(codec.encode(r)) for r in rows]
+
+
+def test_put_rows_share_dtype_and_shape_objects():
+    a, b = (own_small_frames(r) for r in _put_rows(2))
+    assert a["a"].dtype is b["a"].dtype is a["c"].dtype and a["b"].dtype is b["b"].dtype
+    assert a["a"].shape is b["a"].shape is a["b"].shape == (300,)
+    assert a["c"].shape is b["c"].shape == (1000,) and a["r"].shape == ()
+    # the 8000-byte frame is copied out of the receive buffer; values are unchanged
+    assert type(a["c"].data) is bytes and a["c"] == RawTensor("int64", [1000], bytes(8000))
+    assert a["s"] == "text" and bytes(a["b"].data) == bytes(1200)
+
+
+def test_restored_records_share_dtype_and_shape_objects():
+    rows = [{"x": RawTensor("float32", [700], bytes(2800)), "y": RawTensor("float32", [700],
+                                                                          bytes(2800))}] * 2
+    got = []
+    for i, row in enumerate(rows):
+        bufs, _length, _crc = F.encode_record(i, row)
+        got.append(F.decode_record(b"".join(bytes(b) for b in bufs))[1])
+    assert got[0]["x"].dtype is got[1]["y"].dtype == "float32"
+    assert got[0]["x"].shape is got[1]["x"].shape is got[1]["y"].shape == (700,)
+    assert got == rows
