@@ -54,6 +54,46 @@ def test_dump_pragmas(tmp_path):
     assert not (tmp_path / "ckpt" / "buf").exists()  # the journal is a sibling
 
 
+def test_dump_journal_plain_connection(tmp_path):
+    """The dump journal's calls run on one plain sqlite3 connection: BEGIN IMMEDIATE,
+    driver errors raised as SQLAlchemy's, a failed transaction rolled back, and the stamp
+    checked on every open (a journal replaced by an old or foreign file is caught)."""
+    from sqlalchemy.exc import OperationalError
+
+    from tqtx.errors import DumpFormatError
+    dump = tmp_path / "buf"
+    with DumpJournal(dump) as dj:
+        with dj._sql() as run:  # holds the write lock from its start
+            other = sqlite3.connect(dj.path, timeout=0, isolation_level=None)
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+            other.close()
+        with pytest.raises(OperationalError, match="no such table"):
+            with dj._sql() as run:
+                run("SELECT * FROM nowhere")
+        with pytest.raises(RuntimeError, match="boom"):
+            with dj._sql() as run:
+                run("INSERT INTO publications (attempt_id, kind, staging_dir, phase, created_at, "
+                    "updated_at) VALUES ('a1', 'dump', '/x', 'staging', 't', 't')")
+                raise RuntimeError("boom")
+        assert dj.get_publication("a1") is None  # rolled back; the connection still works
+        assert dj.revision() == "d0002"
+    path = dump_journal_path(dump)
+    path.unlink()
+    with DumpJournal(dump) as dj:  # a new file: created and stamped again
+        assert dj.revision() == "d0002" and dj.publications() == []
+    path.unlink()
+    path.write_bytes(b"not a database" * 100)
+    with pytest.raises(DumpFormatError, match="damaged dump journal"):
+        DumpJournal(dump)
+    path.unlink()
+    con = sqlite3.connect(path)  # a foreign SQLite file with no alembic stamp
+    con.execute("CREATE TABLE publications (x)")
+    con.close()
+    with pytest.raises(DumpFormatError, match="table publications already exists"):
+        DumpJournal(dump)  # as before: the migrations ran on it and failed
+
+
 def test_transactions_begin_immediate(cj):
     # A transaction that only reads already holds the write lock (BEGIN IMMEDIATE).
     with cj.engine.begin() as conn:

@@ -323,6 +323,41 @@ def test_fsync_helpers(tmp_path):
     assert publish_dir_size(tmp_path) == 10
 
 
+def test_fsync_tree_files_false_fsyncs_only_directories(tmp_path, monkeypatch):
+    from tqtx import fsutil
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a").write_bytes(b"x" * 7)
+    (tmp_path / "b").write_bytes(b"y" * 3)
+    (tmp_path / "link").symlink_to(tmp_path / "b")  # not counted, as before
+    synced = {"file": [], "dir": []}
+    monkeypatch.setattr(fsutil, "fsync_file", lambda p: synced["file"].append(os.path.basename(p)))
+    real_dir = fsutil.fsync_dir
+    monkeypatch.setattr(fsutil, "fsync_dir", lambda p: (synced["dir"].append(p), real_dir(p)))
+    assert fsutil.fsync_tree(tmp_path) == 10
+    assert sorted(synced["file"]) == ["a", "b"] and len(synced["dir"]) == 2
+    synced["file"].clear()
+    synced["dir"].clear()
+    assert fsutil.fsync_tree(tmp_path, files=False) == 10
+    assert synced["file"] == [] and len(synced["dir"]) == 2  # the directories still are
+
+
+def test_commit_files_synced_publishes_the_same(tmp_path, monkeypatch):
+    from tqtx import publish as pubmod
+    calls = []
+    real = pubmod.fsync_tree
+    monkeypatch.setattr(pubmod, "fsync_tree", lambda root, files=True: (calls.append(files),
+                                                                        real(root, files=files))[1])
+    dump = tmp_path / "buf"
+    new = {"checkpoint_info.json": CKPT_MANIFEST, "units/0.bin": "new-0"}
+    with dump_lock(dump), DumpJournal(dump) as j:
+        pub = Publication(dump, kind="checkpoint", dump_id="d1", journal=j)
+        write(pub.staging_dir, new)
+        pub.mark_written()
+        assert pub.commit(files_synced=True) == sum(len(v) for v in new.values())
+        assert j.get_publication(pub.attempt_id)["phase"] == "cleaned"
+    assert calls == [False] and tree(dump) == new and siblings(dump) == []
+
+
 CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path

@@ -108,21 +108,24 @@ class Publication:
         self._set(st.WRITTEN)
         faults.hit("publish.after_written")
 
-    def commit(self) -> int:
+    def commit(self, *, files_synced: bool = False) -> int:
         """Make the staged directory the dump; returns the published size in bytes.
 
+        ``files_synced``: every file in the staging directory was fsynced by its writer
+        before it was closed, so only the directories are fsynced here.
         Raises TargetNotADumpError (before ``synced``, so abort leaves everything as it
         was) if ``<dump>`` is no longer replaceable or a ``.old`` appeared: recovery ran
         under this lock, so a ``.old`` now is not tqtx's.
         """
-        self._check_target()
-        size = fsync_tree(self.staging_dir)
+        size = fsync_tree(self.staging_dir, files=not files_synced)
+        # Checked once, after the fsync and right before "synced" (the last moment that
+        # matters): a check before the fsync as well would only fail a refused target sooner.
         self._check_target()
         self._set(st.SYNCED)
         faults.hit("publish.after_synced")
 
         parent = self.dump_dir.parent
-        if self.dump_dir.exists() or self.dump_dir.is_symlink():
+        if os.path.lexists(self.dump_dir):
             os.rename(self.dump_dir, self.old_dir)
             fsync_dir(parent)
         self._set(st.OLD_MOVED)
@@ -150,13 +153,12 @@ class Publication:
         return size
 
     def _check_target(self) -> None:
-        if self.old_dir.exists() or self.old_dir.is_symlink():
+        if os.path.lexists(self.old_dir):
             raise TargetNotADumpError(
                 f"{self.old_dir}: exists beside {self.dump_dir.name} and is not tqtx's (no "
                 f"unfinished publication accounts for it; tqtx needs that name to swap the "
                 f"{self.kind} in); the {self.kind} was not published", path=str(self.old_dir))
-        if (self.dump_dir.exists() or self.dump_dir.is_symlink()) and \
-                not paths.replaceable(self.dump_dir, self.kind):
+        if os.path.lexists(self.dump_dir) and not paths.replaceable(self.dump_dir, self.kind):
             raise TargetNotADumpError(
                 f"{self.dump_dir}: is not an empty directory or a tqtx {self.kind} (it may "
                 f"have changed during the publication); the {self.kind} was not published",

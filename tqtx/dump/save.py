@@ -282,7 +282,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                     if handle._cancel.is_set():
                         raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
                     pub.mark_written()
-                    total = pub.commit()
+                    total = pub.commit(files_synced=True)  # every writer fsynced its file
                 except BaseException as exc:
                     if per_unit:
                         _cancel_units(client, dump_id, per_unit)

@@ -28,6 +28,14 @@ __all__ = ["FORMAT_VERSION", "MANIFEST", "ROW_INDEX", "SHARDS_DIR", "DumpIndex",
 
 # --------------------------------------------------------------------------- writing
 
+def _arrays(items) -> list:
+    """``items`` as a list of msgpack arrays: as given when each is a list or tuple
+    (msgpack packs both as the same array; one C-level type scan), else copied."""
+    if type(items) is list and set(map(type, items)) <= {list, tuple}:
+        return items
+    return [list(r) for r in items]
+
+
 def write_row_index(staging_dir, *, partition_id: str, dump_id: str, field_schema: dict,
                     rows) -> dict:
     """Write ``rows.msgpack`` ([key, gidx, fields, tag] per row) and fsync it.
@@ -36,7 +44,7 @@ def write_row_index(staging_dir, *, partition_id: str, dump_id: str, field_schem
     """
     data = codec.packb({"format_version": FORMAT_VERSION, "partition_id": partition_id,
                         "dump_id": dump_id, "field_schema": field_schema,
-                        "rows": [list(r) for r in rows]})
+                        "rows": _arrays(rows)})
     fsutil.write_file_synced(Path(staging_dir) / ROW_INDEX, data)
     return {"file": ROW_INDEX, "size": len(data), "crc32": checksum(data)}
 
@@ -45,7 +53,7 @@ def write_shard_index(staging_dir, unit, entries) -> dict:
     """Write ``shards/unit-<unit>.index`` and fsync it; returns ``{"file", "size", "crc32"}``."""
     rel = shard_index_name(unit)
     data = codec.packb({"format_version": FORMAT_VERSION, "unit": unit,
-                        "shard": shard_file_name(unit), "records": [list(e) for e in entries]})
+                        "shard": shard_file_name(unit), "records": _arrays(entries)})
     path = Path(staging_dir) / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_file_synced(path, data)

@@ -1,4 +1,5 @@
-"""Opening a journal file: the SQLite engine with tqtx's pragmas, and Alembic migrations.
+"""Opening a journal file: the SQLite engine with tqtx's pragmas (or a plain sqlite3
+connection with the same pragmas, :class:`PlainConnection`), and Alembic migrations.
 
 Two chains of revisions live in ``migrations/`` (package ``tqtx.migrations``): ``controller``
 and ``dump``. There is no ``alembic.ini``; :func:`alembic_config` builds the Config in code,
@@ -9,12 +10,15 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
+import sqlite3
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from filelock import FileLock
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ..paths import migrate_lock_path
 
@@ -35,25 +39,83 @@ def make_engine(path: str | os.PathLike, *, wal: bool) -> Engine:
     ``synchronous=FULL``, ``foreign_keys=ON``.
     """
     engine = create_engine(URL.create("sqlite", database=os.fspath(path)))
-    journal_mode = "WAL" if wal else "PERSIST"
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
-        # pysqlite recipe: stop the driver from issuing its own BEGIN so the "begin"
-        # event below controls the transaction start.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        cur.execute(f"PRAGMA journal_mode={journal_mode}")
-        cur.execute("PRAGMA synchronous=FULL")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
+        _configure(dbapi_conn, wal)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _configure(dbapi_conn, wal: bool) -> None:
+    # pysqlite recipe: stop the driver from issuing its own BEGIN, so BEGIN IMMEDIATE (the
+    # engine's "begin" event, or PlainConnection.transaction) starts every transaction.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    cur.execute(f"PRAGMA journal_mode={'WAL' if wal else 'PERSIST'}")
+    cur.execute("PRAGMA synchronous=FULL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+class PlainConnection:
+    """A plain sqlite3 connection with :func:`make_engine`'s pragmas, for journals whose
+    calls are a few small statements each; usable from any thread, one transaction at a
+    time. Driver errors are raised as SQLAlchemy's (what callers of the engine catch)."""
+
+    def __init__(self, path: str | os.PathLike, *, wal: bool):
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(os.fspath(path), timeout=BUSY_TIMEOUT_MS / 1000,
+                                     check_same_thread=False)
+        try:
+            _configure(self._conn, wal)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def run(self, sql: str, params=()):
+        """``exec_driver_sql``'s convention: a list of tuples is an executemany."""
+        try:
+            if isinstance(params, list):
+                return self._conn.executemany(sql, params)
+            return self._conn.execute(sql, params)
+        except sqlite3.Error as exc:
+            raise DBAPIError.instance(sql, params, exc, sqlite3.Error) from None
+
+    @contextmanager
+    def transaction(self):
+        """One BEGIN IMMEDIATE transaction; yields :meth:`run`."""
+        with self._lock:
+            if self._conn is None:
+                raise RuntimeError("journal connection is closed")
+            self.run("BEGIN IMMEDIATE")
+            try:
+                yield self.run
+                self.run("COMMIT")
+            except BaseException:
+                try:
+                    self._conn.rollback()  # a no-op once COMMIT ended the transaction
+                except sqlite3.Error:
+                    pass  # the error that got us here is the one to see
+                raise
+
+    def stamp(self) -> str | None:
+        """The alembic_version row (None for a database without one)."""
+        return _stamped_revision(self)
+
+    def exec_driver_sql(self, sql: str, params=()):  # what _stamped_revision calls
+        return self.run(sql, params)
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 # --------------------------------------------------------------------------- migrations
@@ -107,7 +169,8 @@ HEADS = {CONTROLLER: "c0003", DUMP: "d0002"}
 
 
 def _stamped_revision(conn) -> str | None:
-    """The alembic_version row, read with plain SQL (None for a database without one)."""
+    """The alembic_version row, read with plain SQL (None for a database without one);
+    ``conn``: an engine's connection or a :class:`PlainConnection`."""
     try:
         rows = conn.exec_driver_sql("SELECT version_num FROM alembic_version").fetchall()
     except OperationalError:
@@ -206,3 +269,19 @@ def migrate(db_path: str | os.PathLike, chain: str, revision: str = "head"
         return upgrade_engine(engine, db_path, chain, revision)
     finally:
         engine.dispose()
+
+
+def open_plain(path: str | os.PathLike, chain: str, *, wal: bool,
+               upgrade: bool = True) -> PlainConnection:
+    """A :class:`PlainConnection` to the journal ``path``; with ``upgrade`` the file is first
+    brought to the head of ``chain`` (:func:`migrate`) unless its stamp, read on every open
+    (one statement: a file replaced since the last open is checked like any other), is
+    already the head."""
+    conn = PlainConnection(path, wal=wal)
+    try:
+        if upgrade and conn.stamp() != HEADS[chain]:
+            migrate(path, chain)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
