@@ -13,6 +13,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 
 MiB = 2**20
 
@@ -105,6 +106,18 @@ def rm(path) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+
+
+def timed_background_dump(tq, path, keys, pid) -> tuple[float, float]:
+    """``dump_data_by_key(block=False)`` to ``path``: (seconds until the call returned,
+    seconds until ``result()`` did); the dump is removed afterwards."""
+    t0 = time.perf_counter()
+    handle = tq.dump_data_by_key(path, keys, pid, block=False)
+    t1 = time.perf_counter()
+    handle.result()
+    t2 = time.perf_counter()
+    rm(path)
+    return t1 - t0, t2 - t0
 
 
 def files_of(dump_dir):

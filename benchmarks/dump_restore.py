@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
-    MiB, PeakRSS, drop_cache, files_of, fs_type, median, reset_peak, rm,
+    MiB, PeakRSS, drop_cache, files_of, fs_type, median, reset_peak, rm, timed_background_dump,
 )
 from baselines import floor_read, floor_read_kept, floor_write, v1_restore, v1_save  # noqa: E402
 from journal_micro import controller_journal_micro, dump_journal_micro  # noqa: E402
@@ -132,15 +132,9 @@ class Bench:
             return f
 
         def run_nb():
-            p = self.path("v2nb")
-            t0 = time.perf_counter()
-            h = tq.dump_data_by_key(p, keys, pid, block=False)
-            t1 = time.perf_counter()
-            h.result()
-            t2 = time.perf_counter()
-            res["V2 block=False call"].append(t1 - t0)
-            res["V2 block=False total"].append(t2 - t0)
-            rm(p)
+            call, total = timed_background_dump(tq, self.path("v2nb"), keys, pid)
+            res["V2 block=False call"].append(call)
+            res["V2 block=False total"].append(total)
 
         def run_floor():
             p = self.path("floor.bin")

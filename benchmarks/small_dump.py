@@ -33,7 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fs_type, median, rm  # noqa: E402
+from _common import fs_type, median, rm, timed_background_dump  # noqa: E402
 
 
 def _parse(argv):
@@ -168,15 +168,9 @@ def background_section(a, root) -> dict:
             rm(p)
 
         def background():
-            p = os.path.join(root, "bg-nb")
-            t = time.perf_counter()
-            h = tq.dump_data_by_key(p, keys, "p", block=False)
-            t1 = time.perf_counter()
-            h.result()
-            t2 = time.perf_counter()
-            res["call"].append(t1 - t)
-            res["total"].append(t2 - t)
-            rm(p)
+            call, total = timed_background_dump(tq, os.path.join(root, "bg-nb"), keys, "p")
+            res["call"].append(call)
+            res["total"].append(total)
 
         for rep in range(a.reps):
             for fn in ((blocking, background) if rep % 2 == 0 else (background, blocking)):

@@ -217,6 +217,17 @@ def _settle(dump_dir: Path, staging: Path, phase: str, *, forward: bool = True) 
     return "back"
 
 
+def open_recovery_journal(dump_dir: str | os.PathLike,
+                          state_dir: str | os.PathLike | None = None) -> DumpJournal | None:
+    """The dump journal :func:`recover_publications` settles from, open; None when there is
+    none, or when nothing beside the dump can be renamed (read-only storage)."""
+    dump = _abs(dump_dir)
+    if not paths.siblings_writable(dump):
+        return None
+    path = paths.find_dump_journal(dump, state_dir)
+    return None if path is None else DumpJournal(dump, path=path)
+
+
 def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | None = None
                          ) -> list[dict]:
     """Settle every unfinished publication of ``dump_dir`` (caller holds :func:`dump_lock`).
@@ -237,15 +248,13 @@ def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | Non
         actions.append({"kind": "publication", "target": target, "action": action,
                         "detail": detail})
 
-    if not paths.siblings_writable(dump):
-        return actions  # nothing can be renamed there, and nothing was published there since
-    own = False
-    if journal is None:
-        path = paths.find_dump_journal(dump)
-        if path is None:
+    own = journal is None
+    if own:
+        journal = open_recovery_journal(dump)
+        if journal is None:
             return actions
-        journal = DumpJournal(dump, path=path)
-        own = True
+    elif not paths.siblings_writable(dump):
+        return actions  # nothing can be renamed there, and nothing was published there since
     try:
         for pub in journal.unfinished_publications():
             aid, phase = pub["attempt_id"], pub["phase"]

@@ -167,7 +167,7 @@ class KVRequests:
     def describe_rows(self, body, req):
         """Per key (in request order): global index, produced fields and tag, plus the
         fields' schemas. No payload. Columnar: ``fields_of[i]`` indexes ``field_sets``;
-        with ``packed`` both columns are native int64 bytes. With ``hold_tags`` (a dump ID)
+        with ``packed`` both columns are packed (:mod:`tqtx.wire.columns`). With ``hold_tags`` (a dump ID)
         the tags stay here for TAKE_DUMP_TAGS."""
         pid, keys = body["partition_id"], body["keys"]
         part = self.meta.partition(pid)

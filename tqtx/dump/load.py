@@ -24,7 +24,7 @@ from ..paths import controller_journal_path, controller_lock_path
 from ..schema import validate_row
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
-from ..publish import dump_lock, recover_publications
+from ..publish import dump_lock, open_recovery_journal, recover_publications
 
 log = logging.getLogger("tqtx.restore")
 
@@ -130,22 +130,21 @@ def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
         client.count("restores", report["rows_with_data"], report["bytes"])
         return report
     rid = new_id()
-    opened: list[DumpJournal] = []  # the dump journal, opened once for the whole restore
+    dj = None  # the dump journal, opened once for the whole restore
     try:
         with dump_lock(dump_dir, state_dir=state_dir):
-            found = paths.find_dump_journal(dump_dir, state_dir)
-            if found is not None and paths.siblings_writable(dump_dir):  # as recover_publications
-                opened.append(DumpJournal(dump_dir, path=found))
-            recover_publications(dump_dir, opened[0] if opened else None)
+            dj = open_recovery_journal(dump_dir, state_dir)
+            if dj is not None:
+                recover_publications(dump_dir, dj)
             # every check that needs no payload, before any write
             index = fmt.read_dump_index(dump_dir)
             pid = partition_id or index.partition_id
-            if not opened:
-                opened.append(DumpJournal(dump_dir, state_dir=state_dir))
-            plan = _begin(client, opened[0], dump_dir, rid, pid, index)
-        return _run_restore(client, dump_dir, rid, pid, index, plan, opened[0], t0)
+            if dj is None:
+                dj = DumpJournal(dump_dir, state_dir=state_dir)
+            plan = _begin(client, dj, dump_dir, rid, pid, index)
+        return _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0)
     finally:
-        for dj in opened:
+        if dj is not None:
             dj.close()
 
 

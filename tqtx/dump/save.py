@@ -16,7 +16,7 @@ from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
 from ..validate import check_utf8
 from ..version import __version__
-from ..wire.columns import unpack_int64
+from ..wire.columns import NUMPY_DTYPE, unpack_int64
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
 from ..publish import Publication, dump_lock, recover_publications
@@ -229,8 +229,8 @@ def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
         if not sel.any():
             continue
         per_unit[u] = {"dump_id": dump_id, "unit_id": u,
-                       "indexes": idx[sel].astype("<i8").tobytes(),
-                       "fields_of": sid[sel].astype("<i8").tobytes(), "field_sets": field_sets}
+                       "indexes": idx[sel].astype(NUMPY_DTYPE).tobytes(),
+                       "fields_of": sid[sel].astype(NUMPY_DTYPE).tobytes(), "field_sets": field_sets}
     return per_unit
 
 

@@ -86,7 +86,6 @@ _FIXMAP = [bytes([0x80 | n]) for n in range(16)]
 _TENSOR_SPEC = b"\x95\xa1t"  # ["t", ... (5 items)
 _OBJECT_SPEC = b"\x92\xa1o"  # ["o", ... (2 items)
 _FIELD_CACHE_MAX = 1 << 14
-_PLAIN = frozenset([str, int, float, bool, bytes, type(None)])
 
 
 class RecordEncoder:
@@ -99,7 +98,7 @@ class RecordEncoder:
     __slots__ = ("pack", "fields")
 
     def __init__(self):
-        self.pack = msgpack.Packer(use_bin_type=True).pack
+        self.pack = codec.packer()
         self.fields: dict = {}
 
 
@@ -165,10 +164,7 @@ def encode_record_parts(gidx: int, row: dict,
         elif type(name) is not str:
             raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
         else:
-            # codec.packb of a plain scalar is what our packer makes of it, without a Packer
-            # per call (it needs its hook only for tensors and sets)
-            obj = pack(value) if type(value) in _PLAIN else codec.packb(value)
-            fields.append((b"".join([pack(name), _OBJECT_SPEC, pack(obj)]), None))
+            fields.append((b"".join([pack(name), _OBJECT_SPEC, pack(pack(value))]), None))
     nf = len(fields)
     hparts = [_HEAD_I, pack(gidx), _HEAD_F, _FIXMAP[nf] if nf < 16 else
               msgpack.Packer().pack_map_header(nf)]

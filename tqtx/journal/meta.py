@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable
 
-import msgpack
 from sqlalchemy import Engine
 
 from ..wire import codec
@@ -35,7 +34,6 @@ _UPSERT_ON = (" ON CONFLICT (partition_id, key) DO UPDATE SET "
               "tag = excluded.tag, lost_unit = excluded.lost_unit")
 _UPSERT_KEYS = ("INSERT INTO meta_keys (partition_id, key, global_index, fields, tag, lost_unit) "
                 "VALUES ")
-_UPSERT_KEY = _UPSERT_KEYS + "(?, ?, ?, ?, ?, ?)" + _UPSERT_ON
 # Rows per multi-row upsert statement: 768 parameters, under SQLite's lowest limit (999).
 # One statement per 128 rows is ~2x cheaper than executemany's one per row.
 _UPSERT_ROWS = 128
@@ -117,21 +115,14 @@ def _upsert_rows(executemany, rows: list) -> None:
     """Insert or replace ``rows`` of meta_keys, :data:`_UPSERT_ROWS` per statement."""
     # rows share a handful of field sets: encode each set once (5k rows: 33 -> 6 ms)
     encoded: dict[frozenset, str] = {}
-    pack = msgpack.Packer(use_bin_type=True).pack  # one packer: packb makes one per call
+    pack = codec.packer()
     flat: list = []
     for pid, key, idx, fields, tag, lost in rows:
         fs = frozenset(fields)
         text = encoded.get(fs)
         if text is None:
             text = encoded[fs] = json.dumps(sorted(fs))
-        if not tag:
-            packed = _EMPTY_TAG
-        else:
-            try:
-                packed = pack(tag)
-            except TypeError:  # tensors or sets in the tag: the codec's encoding
-                packed = codec.packb(tag)
-        flat += (pid, key, idx, text, packed, lost)
+        flat += (pid, key, idx, text, pack(tag) if tag else _EMPTY_TAG, lost)
     step = _UPSERT_ROWS * 6
     for lo in range(0, len(flat), step):
         chunk = flat[lo:lo + step]

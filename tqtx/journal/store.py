@@ -55,6 +55,32 @@ _DRESTORE_COLS = ("restore_id", "controller_address", "incarnation_id", "control
                   "partition_id", "state", "created_at", "updated_at")
 
 
+# Plain SQL over a transaction's ``run`` (``exec_driver_sql``'s convention).
+def _marks(values) -> str:
+    """``?, ?, ...``: one parameter per value."""
+    return ", ".join("?" * len(values))
+
+
+def _select(run, table: str, cols: tuple, tail: str = "", params: tuple = ()) -> list[dict]:
+    """Rows of ``table`` (``tail``: the SQL after ``FROM table``) as dicts of ``cols``."""
+    rows = run(f"SELECT {', '.join(cols)} FROM {table} {tail}", params).fetchall()
+    return [dict(zip(cols, r)) for r in rows]
+
+
+def _insert(run, table: str, cols: tuple, row: dict) -> None:
+    run(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({_marks(cols)})",
+        tuple(row[c] for c in cols))
+
+
+def _restores_newest_first(state, restore_id, limit) -> tuple[str, tuple]:
+    """The tail and parameters of a newest-first listing of restores (either journal's),
+    filtered by state and restore ID."""
+    where = [(c, v) for c, v in (("state", state), ("restore_id", restore_id)) if v is not None]
+    tail = (f"{'WHERE ' if where else ''}{' AND '.join(f'{c} = ?' for c, _ in where)} "
+            "ORDER BY created_at DESC, restore_id LIMIT ?")
+    return tail, (*(v for _, v in where), -1 if limit is None else limit)
+
+
 # --------------------------------------------------------------------------- controller
 
 
@@ -99,13 +125,12 @@ class ControllerJournal(_Journal):
 
     def _restore_dicts(self, run, where: str = "", params: tuple = ()) -> list[dict]:
         """Restores matching ``where`` (SQL after FROM restores), each with its claims."""
-        out = [dict(zip(_RESTORE_COLS, r)) for r in
-               run(f"SELECT {', '.join(_RESTORE_COLS)} FROM restores {where}", params).fetchall()]
+        out = _select(run, "restores", _RESTORE_COLS, where, params)
         units: dict[str, list[dict]] = {d["restore_id"]: [] for d in out}
         ids = list(units)
         for lo in range(0, len(ids), 500):  # SQLite bounds the parameters per statement
             chunk = tuple(ids[lo:lo + 500])
-            for r in run(f"{_UNITS_SQL} WHERE restore_id IN ({', '.join('?' * len(chunk))}) "
+            for r in run(f"{_UNITS_SQL} WHERE restore_id IN ({_marks(chunk)}) "
                          "ORDER BY restore_id, unit_id", chunk).fetchall():
                 units[r[0]].append(dict(zip(_UNIT_COLS, r[1:])))
         for d in out:
@@ -132,8 +157,7 @@ class ControllerJournal(_Journal):
                  "outcome": None, "reason": None, "keys": keys, "rows": rows, "bytes": bytes,
                  "incarnation_id": incarnation_id, "created_at": now, "updated_at": now,
                  "finished_at": None}
-            run(f"INSERT INTO restores ({', '.join(_RESTORE_COLS)}) VALUES "
-                f"({', '.join('?' * len(_RESTORE_COLS))})", tuple(r[c] for c in _RESTORE_COLS))
+            _insert(run, "restores", _RESTORE_COLS, r)
             claims = [(restore_id, int(u), st.PENDING, now, now) for u in sorted(set(units))]
             if claims:
                 run("INSERT INTO restore_units (restore_id, unit_id, state, rows, bytes, "
@@ -261,7 +285,7 @@ class ControllerJournal(_Journal):
             if outcome != st.COMMITTED:
                 final = tuple(st.UNIT_FINAL)
                 run(f"UPDATE restore_units SET state = ?, updated_at = ? WHERE restore_id = ? "
-                    f"AND state NOT IN ({', '.join('?' * len(final))})",
+                    f"AND state NOT IN ({_marks(final)})",
                     (st.DROPPED, now, restore_id, *final))
                 for u in r["units"]:
                     if u["state"] not in final:
@@ -281,18 +305,15 @@ class ControllerJournal(_Journal):
     def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
                       limit: int | None = None) -> list[dict]:
         """Restores (newest first), optionally filtered by state or id."""
-        where = [(c, v) for c, v in (("state", state), ("restore_id", restore_id)) if v is not None]
-        sql = (f"{'WHERE ' if where else ''}{' AND '.join(f'{c} = ?' for c, _ in where)} "
-               "ORDER BY created_at DESC, restore_id LIMIT ?")
+        tail, params = _restores_newest_first(state, restore_id, limit)
         with self._sql() as run:
-            return self._restore_dicts(run, sql, (*(v for _, v in where),
-                                                  -1 if limit is None else limit))
+            return self._restore_dicts(run, tail, params)
 
     def unresolved_restores(self) -> list[dict]:
         """Restores not in a final state, oldest first."""
         final = tuple(st.RESTORE_FINAL)
         with self._sql() as run:
-            return self._restore_dicts(run, f"WHERE state NOT IN ({', '.join('?' * len(final))}) "
+            return self._restore_dicts(run, f"WHERE state NOT IN ({_marks(final)}) "
                                             "ORDER BY created_at, restore_id", final)
 
     # dumps / recovery -----------------------------------------------------------------
@@ -302,16 +323,14 @@ class ControllerJournal(_Journal):
                     incarnation_id: int | None) -> dict:
         """Record a published dump (idempotent by dump_id: an existing row is kept)."""
         with self._sql() as run:  # plain SQL: every dump ends with this
-            row = run(f"SELECT {', '.join(_DUMP_COLS)} FROM dumps WHERE dump_id = ?",
-                      (dump_id,)).fetchone()
-            if row is not None:
-                return dict(zip(_DUMP_COLS, row))
+            found = _select(run, "dumps", _DUMP_COLS, "WHERE dump_id = ?", (dump_id,))
+            if found:
+                return found[0]
             d = {"dump_id": dump_id, "dump_dir": os.fspath(dump_dir),
                  "partition_id": partition_id, "keys": keys, "rows_with_data": rows_with_data,
                  "bytes": bytes, "shards": shards, "incarnation_id": incarnation_id,
                  "created_at": utcnow()}
-            run(f"INSERT INTO dumps ({', '.join(_DUMP_COLS)}) VALUES "
-                f"({', '.join('?' * len(_DUMP_COLS))})", tuple(d[c] for c in _DUMP_COLS))
+            _insert(run, "dumps", _DUMP_COLS, d)
             return d
 
     def list_dumps(self, limit: int | None = None) -> list[dict]:
@@ -394,8 +413,7 @@ class DumpJournal(_Journal):
     # publications ---------------------------------------------------------------------
 
     def _publication_rows(self, run, where: str = "", params: tuple = ()) -> list[dict]:
-        rows = run(f"SELECT {', '.join(_PUB_COLS)} FROM publications {where}", params)
-        return [dict(zip(_PUB_COLS, r)) for r in rows.fetchall()]
+        return _select(run, "publications", _PUB_COLS, where, params)
 
     def begin_publication(self, *, attempt_id: str, kind: str, dump_id: str | None,
                           staging_dir: str | os.PathLike) -> dict:
@@ -410,8 +428,7 @@ class DumpJournal(_Journal):
             p = {"attempt_id": attempt_id, "kind": kind, "dump_id": dump_id,
                  "staging_dir": os.fspath(staging_dir), "phase": st.STAGING, "error": None,
                  "created_at": now, "updated_at": now}
-            run(f"INSERT INTO publications ({', '.join(_PUB_COLS)}) VALUES "
-                f"({', '.join('?' * len(_PUB_COLS))})", tuple(p[c] for c in _PUB_COLS))
+            _insert(run, "publications", _PUB_COLS, p)
             return p
 
     def set_phase(self, attempt_id: str, phase: str, error: str | None = None) -> dict:
@@ -450,15 +467,14 @@ class DumpJournal(_Journal):
         final = tuple(st.PUBLICATION_FINAL)
         with self._sql() as run:
             return self._publication_rows(
-                run, f"WHERE phase NOT IN ({', '.join('?' * len(final))}) "
+                run, f"WHERE phase NOT IN ({_marks(final)}) "
                      "ORDER BY created_at, attempt_id", final)
 
     # restores -------------------------------------------------------------------------
 
     def _restore_row(self, run, restore_id: str) -> dict | None:
-        row = run(f"SELECT {', '.join(_DRESTORE_COLS)} FROM restores WHERE restore_id = ?",
-                  (restore_id,)).fetchone()
-        return None if row is None else dict(zip(_DRESTORE_COLS, row))
+        found = _select(run, "restores", _DRESTORE_COLS, "WHERE restore_id = ?", (restore_id,))
+        return found[0] if found else None
 
     def begin_restore(self, *, restore_id: str, controller_address: str,
                       incarnation_id: int | None, controller_state_dir: str | None,
@@ -474,9 +490,7 @@ class DumpJournal(_Journal):
                                               else os.fspath(controller_state_dir)),
                      "partition_id": partition_id, "state": st.READING, "created_at": now,
                      "updated_at": now}
-                run(f"INSERT INTO restores ({', '.join(_DRESTORE_COLS)}) VALUES "
-                    f"({', '.join('?' * len(_DRESTORE_COLS))})",
-                    tuple(r[c] for c in _DRESTORE_COLS))
+                _insert(run, "restores", _DRESTORE_COLS, r)
             return r
 
     def finish_restore(self, restore_id: str, state: str) -> dict:
@@ -501,13 +515,9 @@ class DumpJournal(_Journal):
     def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
                       limit: int | None = None) -> list[dict]:
         """Restore rows, newest first."""
-        where = [(c, v) for c, v in (("state", state), ("restore_id", restore_id)) if v is not None]
-        sql = (f"SELECT {', '.join(_DRESTORE_COLS)} FROM restores "
-               f"{'WHERE ' if where else ''}{' AND '.join(f'{c} = ?' for c, _ in where)} "
-               "ORDER BY created_at DESC, restore_id LIMIT ?")
+        tail, params = _restores_newest_first(state, restore_id, limit)
         with self._sql() as run:  # plain SQL: every dump asks this (active_restores)
-            rows = run(sql, (*(v for _, v in where), -1 if limit is None else limit)).fetchall()
-        return [dict(zip(_DRESTORE_COLS, r)) for r in rows]
+            return _select(run, "restores", _DRESTORE_COLS, tail, params)
 
     def active_restores(self) -> list[dict]:
         """Restores still ``reading``."""

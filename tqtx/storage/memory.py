@@ -141,7 +141,7 @@ def own_small_frames(values: dict) -> dict:
             if type(v.data) is memoryview and INLINE_LIMIT < v.data.nbytes <= SHARED_RECV_LIMIT:
                 if out is None:
                     out = dict(values)
-                out[field] = RawTensor.of(v.dtype, v.shape, bytes(v.data))
+                out[field] = v.compact()
     return values if out is None else out
 
 

@@ -221,8 +221,8 @@ class StorageUnit(RedoRestore, UnitAttach):
     def dump_cancel(self, body, req):
         job = self.dump_jobs.get(body["dump_id"])
         if job is not None and not job.started:
-            self.dump_jobs.pop(job.dump_id, None)  # the snapshot is simply released
-            job.snapshot = ((), (), ())
+            self.dump_jobs.pop(job.dump_id, None)
+            job.release()
             log.info("dump %s: unit %d cancelled before writing", job.dump_id, self.unit_id)
         elif job is not None:
             job.cancelled.set()
@@ -470,6 +470,10 @@ class DumpJob:
         self.result: dict | None = None
         self.error: BaseException | None = None
 
+    def release(self) -> None:
+        """Drop the snapshot: the rows it kept alive are freed with their last reference."""
+        self.snapshot = ((), (), ())
+
     def _rows(self):
         field_sets = self.field_sets
         wanted = [frozenset(fs) for fs in field_sets]
@@ -506,6 +510,6 @@ class DumpJob:
             self.error = exc
             log.error("dump %s: unit %d failed: %s", self.dump_id, self.unit_id, exc)
         finally:
-            self.snapshot = ((), (), ())  # release the rows kept alive by the snapshot
+            self.release()
             self.future.set_result(None)
 

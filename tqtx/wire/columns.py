@@ -6,6 +6,7 @@ import sys
 from array import array
 
 _SWAP = sys.byteorder != "little"
+NUMPY_DTYPE = "<i8"  # the same layout, for callers that hold the column as a numpy array
 
 
 def pack_int64(values) -> bytes:

@@ -73,7 +73,7 @@ class RawTensor:
 
     def compact(self) -> "RawTensor":
         """Return a RawTensor owning a private copy of exactly its own bytes."""
-        return RawTensor(self.dtype, self.shape, bytes(self.data))
+        return RawTensor.of(self.dtype, self.shape, bytes(self.data))
 
     def __eq__(self, other):
         return (isinstance(other, RawTensor) and self.dtype == other.dtype
