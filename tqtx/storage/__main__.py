@@ -7,6 +7,8 @@ import sys
 
 
 def main(argv=None) -> int:
+    from .memory import single_arena
+    single_arena()  # before the first thread (docs/performance.md, unit memory)
     ap = argparse.ArgumentParser(prog="python -m tqtx.storage")
     ap.add_argument("--controller", required=True)
     ap.add_argument("--unit-id", type=int, required=True)
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     maybe_start_exporter(unit.server.metrics, 1 + args.unit_id)  # only with TQTX_METRICS_PORT
     announce({"ready": unit.address, "pid": os.getpid(), "unit_id": args.unit_id})
     from .memory import start_trimmer
-    start_trimmer()  # freed row memory goes back to the OS (docs/performance.md)
+    unit.trimmer = start_trimmer()  # freed row memory goes back to the OS (docs/performance.md)
     unit.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
     unit.serve_forever()
     return 0

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 
-from ..wire.codec import INLINE_LIMIT
+from ..wire.codec import ZMQ_RECV_BATCH
 from ..wire.values import DTYPE_NAMES, RawTensor, shared_shape
 
 log = logging.getLogger("tqtx.unit")
@@ -65,9 +65,9 @@ def trim() -> bool:
 class Trimmer:
     """Calls :func:`trim` when malloc's free bytes grew by ``threshold`` since the last trim
     (memory stays bounded during a long burst of drops), and once more when they stopped
-    changing (by less than ``QUIET_BYTES``) for ``quiet_checks`` checks in a row at another
-    value than right after the last trim (the unit went quiet after freeing rows: settle at
-    idle + live). Waiting for quiet
+    changing (by less than ``QUIET_BYTES``) for ``quiet_checks`` checks in a row after
+    having changed since the last trim (the unit went quiet after freeing rows or a
+    request's buffers: settle at idle + live). Waiting for quiet
     rather than trimming at once lets a put that follows a clear (the usual training loop)
     reuse the freed pages instead of faulting fresh ones."""
 
@@ -78,6 +78,7 @@ class Trimmer:
         self._stop = threading.Event()
         self._base = self._last = free_bytes() or 0
         self._same = 0  # consecutive checks that saw the same free bytes
+        self._moved = False  # free bytes changed since the last trim
         self._thread = threading.Thread(target=self._run, name="tqtx-trim", daemon=True)
 
     def check(self) -> bool:
@@ -87,18 +88,26 @@ class Trimmer:
             return False
         # "the same" within QUIET_BYTES: a quiet unit still allocates a little (heartbeats,
         # stats), which must not keep it from ever counting as quiet
-        self._same = self._same + 1 if abs(free - self._last) < QUIET_BYTES else 0
+        if abs(free - self._last) < QUIET_BYTES:
+            self._same += 1
+        else:
+            self._same = 0
+            # Freed bytes may also be hidden by reuse between two checks (a put reusing a
+            # clear's pages and freeing its request's buffers: no growth seen), so any
+            # change counts as activity to trim after.
+            self._moved = True
         self._last = free
         if free < self._base:
             self._base = free  # freed memory was reused: measure growth from here
         grown = free - self._base
-        quiet = self._same >= self.quiet_checks and grown > QUIET_BYTES
+        quiet = self._same >= self.quiet_checks and (self._moved or grown > QUIET_BYTES)
         if grown < self.threshold and not quiet:
             return False
         trim()
         self.trims += 1
         self._base = self._last = free_bytes() or 0  # trimmed pages still count as free
         self._same = 0
+        self._moved = False
         return True
 
     def _run(self) -> None:
@@ -118,16 +127,30 @@ class Trimmer:
         self._stop.set()
 
 
+M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
+
+
+def single_arena() -> bool:
+    """Make every thread of this process allocate from malloc's main arena (call before
+    any thread starts). :func:`trim` can hand back all of the main arena's free memory,
+    its top included, but not the free top of a thread's arena: rows read by an I/O
+    thread and freed together become that top, and stayed resident (13-31 MiB a unit
+    after a clear of a 128 MiB restore). True if set."""
+    if _LIBC is None:
+        return False
+    _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(_LIBC.mallopt(M_ARENA_MAX, 1))
+
+
 def start_trimmer() -> Trimmer:
     """Start the watcher thread of this process (a unit's ``__main__`` calls it)."""
     return Trimmer().start()
 
 
-# libzmq (4.3) reads a connection into shared receive buffers of ZMQ_IN_BATCH_SIZE (8 KiB)
-# and hands out a message that fits in one as a view into it: a stored row frame of 5 KiB
-# would keep its whole 8 KiB buffer alive (measured: +4 KiB per 5 KiB row). Larger
-# messages get an allocation of their own.
-SHARED_RECV_LIMIT = 8192
+# A frame that fits libzmq's shared receive buffer is a view into it: a stored row frame of
+# 5 KiB would keep its whole 8 KiB buffer alive (measured: +4 KiB per 5 KiB row). tqtx's
+# codec inlines such tensors in the header, so this copy guards against other senders only.
+SHARED_RECV_LIMIT = ZMQ_RECV_BATCH
 
 
 def own_small_frames(values: dict) -> dict:
@@ -138,7 +161,7 @@ def own_small_frames(values: dict) -> dict:
     for field, v in values.items():
         if type(v) is RawTensor:
             share_header(v)
-            if type(v.data) is memoryview and INLINE_LIMIT < v.data.nbytes <= SHARED_RECV_LIMIT:
+            if type(v.data) is memoryview and v.data.nbytes <= SHARED_RECV_LIMIT:
                 if out is None:
                     out = dict(values)
                 out[field] = v.compact()

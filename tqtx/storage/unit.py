@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults
 from .. import format as fmt
@@ -24,7 +24,8 @@ from ..wire.rpc import Server
 from ..wire.values import value_nbytes
 from . import loading
 from .attach import UnitAttach
-from .memory import own_small_frames
+from .dump_job import DumpJob
+from .memory import free_bytes, own_small_frames
 from .redo import RedoRestore
 from .replies import reply_columns
 
@@ -69,6 +70,7 @@ class StorageUnit(RedoRestore, UnitAttach):
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
             s.add(op, fn, mutating=mutating)
+        self.trimmer = None  # the process's malloc trimmer (storage/__main__ starts it)
         self.bytes_held = 0  # running total of the live rows' value bytes (no O(rows) stats)
         self.metrics = s.metrics
         self.metrics.gauge("rows_held", lambda: len(self.rows))
@@ -147,7 +149,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         return {"dropped": n}
 
     # ---------------------------------------------------------------- dump
-    def _start_dump(self, body) -> "DumpJob":
+    def _start_dump(self, body) -> DumpJob:
         """Snapshot the selected rows by reference now; write the shard in a worker thread.
 
         C-level passes only: a stored row's dict is never changed in place (puts copy on
@@ -168,16 +170,16 @@ class StorageUnit(RedoRestore, UnitAttach):
         job = DumpJob(body["dump_id"], body.get("path"), (indexes, rows, fields_of),
                       body["field_sets"], self.unit_id)
         self.dump_jobs[job.dump_id] = job
-        job.future.add_done_callback(lambda _f: self._account_dump(job))
+        job.on_done(lambda: self._account_dump(job))
         if job.path is not None:
             self._write(job)
         return job
 
-    def _write(self, job: "DumpJob") -> None:
+    def _write(self, job: DumpJob) -> None:
         job.started = True
         self.pool.submit(job.run)
 
-    def _account_dump(self, job: "DumpJob") -> None:
+    def _account_dump(self, job: DumpJob) -> None:
         m = self.metrics
         if job.result is not None:
             m.add("dumps_total")
@@ -187,16 +189,16 @@ class StorageUnit(RedoRestore, UnitAttach):
         else:
             m.add("dump_errors_total")
 
-    def _reply_when_done(self, job: "DumpJob", req):
+    def _reply_when_done(self, job: DumpJob, req):
         deferred = self.server.deferred(req, self.server.current_ident)
 
-        def done(_future):
+        def done():
             self.dump_jobs.pop(job.dump_id, None)
             if job.error is not None:
                 deferred.reply(error=job.error)
             else:
                 deferred.reply(job.result)
-        job.future.add_done_callback(done)
+        job.on_done(done)
         return deferred
 
     def dump_rows(self, body, req):
@@ -441,7 +443,10 @@ class StorageUnit(RedoRestore, UnitAttach):
                 "staged_restores": list(self.staging), "open_dumps": list(self.dump_jobs),
                 "metrics_enabled": m.enabled,
                 "reply_files": self.reply_files.files,
-                "ops": m.ops_snapshot(), "totals": m.totals_snapshot()}
+                "ops": m.ops_snapshot(), "totals": m.totals_snapshot(),
+                # malloc's free bytes (resident or handed back) and how often it trimmed
+                "malloc_free_bytes": free_bytes(),
+                "malloc_trims": self.trimmer.trims if self.trimmer is not None else 0}
 
     def serve_forever(self) -> None:
         try:
@@ -454,62 +459,3 @@ class StorageUnit(RedoRestore, UnitAttach):
 
 def _row_nbytes(row: dict) -> int:
     return sum(value_nbytes(v) for v in row.values())
-
-
-class DumpJob:
-    """One shard being written from a snapshot of rows (held by reference, never copied):
-    ``(indexes, row dicts, field-set numbers)``, the fields named by ``field_sets``."""
-
-    def __init__(self, dump_id: str, path: str, snapshot: tuple, field_sets: list,
-                 unit_id: int):
-        self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
-        self.field_sets = field_sets
-        self.future: Future = Future()
-        self.started = False
-        self.cancelled = threading.Event()
-        self.result: dict | None = None
-        self.error: BaseException | None = None
-
-    def release(self) -> None:
-        """Drop the snapshot: the rows it kept alive are freed with their last reference."""
-        self.snapshot = ((), (), ())
-
-    def _rows(self):
-        field_sets = self.field_sets
-        wanted = [frozenset(fs) for fs in field_sets]
-        for i, (idx, row, sid) in enumerate(zip(*self.snapshot)):
-            if i % 256 == 0 and self.cancelled.is_set():
-                raise RuntimeError(f"dump {self.dump_id} cancelled")
-            if row.keys() != wanted[sid]:  # else the row itself
-                try:
-                    row = {f: row[f] for f in field_sets[sid]}
-                except KeyError as exc:
-                    raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc} "
-                                   f"(dump {self.dump_id})") from None
-            yield idx, row
-
-    def run(self) -> None:
-        t0 = time.perf_counter()
-        writer = None
-        try:
-            faults.hit("unit.dump.before_write")
-            writer = fmt.ShardWriter(self.path)
-            writer.write_rows(self._rows())
-            entries = writer.close(fsync=True)
-            faults.hit("unit.dump.after_fsync")
-            if self.cancelled.is_set():
-                raise RuntimeError(f"dump {self.dump_id} cancelled")
-            self.result = {"entries": entries, "bytes": writer.bytes_written,
-                           "rows": len(entries), "seconds": time.perf_counter() - t0}
-            log.info("dump %s: unit %d wrote %d rows (%d bytes) to %s in %.3fs", self.dump_id,
-                     self.unit_id, len(entries), writer.bytes_written, self.path,
-                     self.result["seconds"])
-        except BaseException as exc:
-            if writer is not None:
-                writer.abort()
-            self.error = exc
-            log.error("dump %s: unit %d failed: %s", self.dump_id, self.unit_id, exc)
-        finally:
-            self.release()
-            self.future.set_result(None)
-

@@ -15,7 +15,13 @@ from .values import RawTensor
 
 EXT_TENSOR_FRAME = 1   # payload: [dtype, shape, frame_number]
 EXT_TENSOR_INLINE = 2  # payload: [dtype, shape, bytes]
-INLINE_LIMIT = 4096
+# libzmq (4.3) receives into shared buffers of ZMQ_IN_BATCH_SIZE and hands out a frame that
+# fits one as a view into it: a receiver keeping such a frame keeps the whole buffer, and
+# the freed buffers leave holes between the frames it keeps (a unit's RSS, docs/performance.md).
+ZMQ_RECV_BATCH = 8192
+# Tensors up to that size travel in the header, so every frame a unit stores is an
+# allocation of its own.
+INLINE_LIMIT = ZMQ_RECV_BATCH
 MAX_HEADER_BYTES = 1 << 30
 GC_PAUSE_BYTES = 1 << 18
 
@@ -34,7 +40,7 @@ def encode(obj) -> list:
         if isinstance(value, RawTensor):
             view = memoryview(value.data)
             if view.nbytes <= INLINE_LIMIT:
-                return ext(EXT_TENSOR_INLINE, pack([value.dtype, value.shape, view.tobytes()]))
+                return ext(EXT_TENSOR_INLINE, pack([value.dtype, value.shape, view]))
             frames.append(view)
             return ext(EXT_TENSOR_FRAME, pack([value.dtype, value.shape, len(frames)]))
         if isinstance(value, (set, frozenset)):

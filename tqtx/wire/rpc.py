@@ -287,6 +287,7 @@ class Server:
                         self._record(timing, None, False)
                     continue
                 self._finish(ident, rid, op, cache, result, error, timing)
+                result = error = None  # else a deferred reply (a dump's index) outlives it
             if self.socket in events:
                 for _ in range(64):
                     try:

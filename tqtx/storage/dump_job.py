@@ -1,0 +1,92 @@
+"""A unit's dump of one shard: the snapshot of rows it writes, and who waits for it."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .. import faults
+from .. import format as fmt
+
+log = logging.getLogger("tqtx.unit")
+
+
+class DumpJob:
+    """One shard being written from a snapshot of rows (held by reference, never copied):
+    ``(indexes, row dicts, field-set numbers)``, the fields named by ``field_sets``."""
+
+    def __init__(self, dump_id: str, path: str, snapshot: tuple, field_sets: list,
+                 unit_id: int):
+        self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
+        self.field_sets = field_sets
+        self._callbacks: list | None = []  # None once finished
+        self._lock = threading.Lock()
+        self.started = False
+        self.cancelled = threading.Event()
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+
+    def on_done(self, fn) -> None:
+        """Call ``fn()`` when the job has finished (now, if it has)."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def _finish(self) -> None:
+        # The callbacks are dropped once run: they refer to the job, and a cycle (as through
+        # a Future's callback list) would keep its index entries, 14 objects a row, alive
+        # until a full collection.
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:
+                log.exception("dump %s: unit %d: a completion callback failed", self.dump_id,
+                              self.unit_id)
+
+    def release(self) -> None:
+        """Drop the snapshot: the rows it kept alive are freed with their last reference."""
+        self.snapshot = ((), (), ())
+
+    def _rows(self):
+        field_sets = self.field_sets
+        wanted = [frozenset(fs) for fs in field_sets]
+        for i, (idx, row, sid) in enumerate(zip(*self.snapshot)):
+            if i % 256 == 0 and self.cancelled.is_set():
+                raise RuntimeError(f"dump {self.dump_id} cancelled")
+            if row.keys() != wanted[sid]:  # else the row itself
+                try:
+                    row = {f: row[f] for f in field_sets[sid]}
+                except KeyError as exc:
+                    raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc} "
+                                   f"(dump {self.dump_id})") from None
+            yield idx, row
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        writer = None
+        try:
+            faults.hit("unit.dump.before_write")
+            writer = fmt.ShardWriter(self.path)
+            writer.write_rows(self._rows())
+            entries = writer.close(fsync=True)
+            faults.hit("unit.dump.after_fsync")
+            if self.cancelled.is_set():
+                raise RuntimeError(f"dump {self.dump_id} cancelled")
+            self.result = {"entries": entries, "bytes": writer.bytes_written,
+                           "rows": len(entries), "seconds": time.perf_counter() - t0}
+            log.info("dump %s: unit %d wrote %d rows (%d bytes) to %s in %.3fs", self.dump_id,
+                     self.unit_id, len(entries), writer.bytes_written, self.path,
+                     self.result["seconds"])
+        except BaseException as exc:
+            if writer is not None:
+                writer.abort()
+            self.error = exc
+            log.error("dump %s: unit %d failed: %s", self.dump_id, self.unit_id, exc)
+        finally:
+            self.release()
+            self._finish()
+
