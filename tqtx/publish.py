@@ -108,11 +108,13 @@ class Publication:
         self._set(st.WRITTEN)
         faults.hit("publish.after_written")
 
-    def commit(self, *, files_synced: bool = False) -> int:
+    def commit(self, *, files_synced: bool = False, on_published=None) -> int:
         """Make the staged directory the dump; returns the published size in bytes.
 
         ``files_synced``: every file in the staging directory was fsynced by its writer
         before it was closed, so only the directories are fsynced here.
+        ``on_published(size)`` runs once the swap is durable, before the old dump is
+        deleted (a caller's notice of the new dump overlaps that cleanup).
         Raises TargetNotADumpError (before ``synced``, so abort leaves everything as it
         was) if ``<dump>`` is no longer replaceable or a ``.old`` appeared: recovery ran
         under this lock, so a ``.old`` now is not tqtx's.
@@ -142,6 +144,8 @@ class Publication:
             raise
         self._set(st.PUBLISHED)
         faults.hit("publish.after_published")
+        if on_published is not None:
+            on_published(size)
 
         # No fsync after deleting .old: a leftover .old beside a published dump is garbage
         # that recovery deletes (its "published" row accounts for it), so the deletion

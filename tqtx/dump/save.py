@@ -272,6 +272,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                     if via == "units":
                         for u, req in per_unit.items():
                             req["path"] = str(pub.staging_dir / fmt.shard_file_name(u))
+                            req["index_dir"] = str(pub.staging_dir)  # units write the index
                         written = _unit_write(client, handle, per_unit, snapshotted)
                         snapshotted = False  # the units' jobs end (and release) by themselves
                     else:
@@ -282,7 +283,12 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                     if handle._cancel.is_set():
                         raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
                     pub.mark_written()
-                    total = pub.commit(files_synced=True)  # every writer fsynced its file
+                    record = _DumpRecord(client, {
+                        "dump_id": dump_id, "dump_dir": dump_dir, "partition_id": pid,
+                        "keys": len(rows), "rows_with_data": len(with_data),
+                        "shards": len(shards)})
+                    # every writer fsynced its file
+                    total = pub.commit(files_synced=True, on_published=record.send)
                 except BaseException as exc:
                     if per_unit:
                         _cancel_units(client, dump_id, per_unit)
@@ -303,16 +309,42 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
     report = {"keys": len(rows), "rows_with_data": len(with_data), "shards": len(shards),
               "bytes": total, "dump_id": dump_id, "seconds": time.perf_counter() - t0,
               "dump_dir": dump_dir, "partition_id": pid, "via": via}
-    try:
-        client.controller.call("RECORD_DUMP", {
-            "dump_id": dump_id, "dump_dir": dump_dir, "partition_id": pid, "keys": len(rows),
-            "rows_with_data": len(with_data), "bytes": total, "shards": len(shards)})
-    except Exception as exc:  # the dump is published; the audit row is best effort
-        log.warning("dump %s: could not record it in the controller journal: %s", dump_id, exc)
+    record.wait()
     log.info("dump %s: %d keys (%d with data) to %s, %d bytes in %.3fs", dump_id, len(rows),
              len(with_data), dump_dir, total, report["seconds"])
     client.count("dumps", len(with_data), total)
     return report
+
+
+class _DumpRecord:
+    """The controller journal's audit row of a published dump (RECORD_DUMP), best effort:
+    sent the moment the dump is published, its reply awaited once the old dump is gone,
+    so the controller's journal write overlaps that cleanup."""
+
+    def __init__(self, client, body: dict):
+        self.client, self.body = client, body
+        self.peer = self.rid = None
+
+    def send(self, size: int) -> None:
+        try:
+            self.peer = self.client.controller
+            self.rid = self.peer.send("RECORD_DUMP", {**self.body, "bytes": size})
+            self.sent_at = self.peer._sent_at
+        except Exception as exc:  # the dump is published; the audit row is best effort
+            self._warn(exc)
+
+    def wait(self) -> None:
+        if self.rid is None:
+            return
+        try:
+            self.peer.receive(self.rid, "RECORD_DUMP", self.sent_at + self.peer.timeout,
+                              self.sent_at)
+        except Exception as exc:
+            self._warn(exc)
+
+    def _warn(self, exc: Exception) -> None:
+        log.warning("dump %s: could not record it in the controller journal: %s",
+                    self.body["dump_id"], exc)
 
 
 @gc_paused  # also in a background dump's thread: a short, O(rows) step
@@ -331,9 +363,11 @@ def _write_indexes(staging, dump_id: str, pid: str, via: str, desc: dict, rows: 
     """Write the shard indexes, the row index and the manifest; returns the shard list."""
     shards, payload = [], 0
     for u, reply in sorted(written.items()):
-        index_entry = fmt.write_shard_index(staging, u, reply["entries"])
+        index_entry = reply.get("index")  # units write their shard's index
+        if index_entry is None:
+            index_entry = fmt.write_shard_index(staging, u, reply["entries"])
         shards.append({"unit": u, "file": fmt.shard_file_name(u), "size": reply["bytes"],
-                       "records": len(reply["entries"]), "index": index_entry})
+                       "records": reply["rows"], "index": index_entry})
         payload += reply["bytes"]
     row_index = fmt.write_row_index(staging, partition_id=pid, dump_id=dump_id,
                                     field_schema=desc["field_schema"], rows=rows)
@@ -357,7 +391,8 @@ def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict], snapshott
     if not per_unit:
         return {}
     if snapshotted:
-        result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id, "path": r["path"]}
+        result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id, "path": r["path"],
+                                                  "index_dir": r["index_dir"]}
                                               for u, r in per_unit.items()})
         if handle._cancel.is_set():
             raise DumpCancelled(f"dump {handle.dump_id} to {handle.dump_dir} was cancelled")
@@ -384,4 +419,4 @@ def _client_write(client, staging_dir, pid: str, keys: list[str], with_data: lis
     except BaseException:
         writer.abort()
         raise
-    return {0: {"entries": entries, "bytes": writer.bytes_written}}
+    return {0: {"entries": entries, "bytes": writer.bytes_written, "rows": len(entries)}}

@@ -15,9 +15,10 @@ class DumpJob:
     """One shard being written from a snapshot of rows (held by reference, never copied):
     ``(indexes, row dicts, field-set numbers)``, the fields named by ``field_sets``."""
 
-    def __init__(self, dump_id: str, path: str, snapshot: tuple, field_sets: list,
-                 unit_id: int):
+    def __init__(self, dump_id: str, path: str | None, snapshot: tuple, field_sets: list,
+                 unit_id: int, index_dir: str | None = None):
         self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
+        self.index_dir = index_dir  # the staging dir: write the shard's index there too
         self.field_sets = field_sets
         self._callbacks: list | None = []  # None once finished
         self._lock = threading.Lock()
@@ -73,11 +74,15 @@ class DumpJob:
             writer = fmt.ShardWriter(self.path)
             writer.write_rows(self._rows())
             entries = writer.close(fsync=True)
+            if self.index_dir is not None:  # the shard's index too, in parallel with the others
+                result = {"index": fmt.write_shard_index(self.index_dir, self.unit_id, entries)}
+            else:
+                result = {"entries": entries}
             faults.hit("unit.dump.after_fsync")
             if self.cancelled.is_set():
                 raise RuntimeError(f"dump {self.dump_id} cancelled")
-            self.result = {"entries": entries, "bytes": writer.bytes_written,
-                           "rows": len(entries), "seconds": time.perf_counter() - t0}
+            self.result = {**result, "bytes": writer.bytes_written, "rows": len(entries),
+                           "seconds": time.perf_counter() - t0}
             log.info("dump %s: unit %d wrote %d rows (%d bytes) to %s in %.3fs", self.dump_id,
                      self.unit_id, len(entries), writer.bytes_written, self.path,
                      self.result["seconds"])

@@ -168,7 +168,7 @@ class StorageUnit(RedoRestore, UnitAttach):
             raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
         # three parallel columns, no tuple per row: nothing here for the collector to count
         job = DumpJob(body["dump_id"], body.get("path"), (indexes, rows, fields_of),
-                      body["field_sets"], self.unit_id)
+                      body["field_sets"], self.unit_id, body.get("index_dir"))
         self.dump_jobs[job.dump_id] = job
         job.on_done(lambda: self._account_dump(job))
         if job.path is not None:
@@ -216,7 +216,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         if job is None:
             raise RuntimeError(f"unit {self.unit_id} has no dump {body['dump_id']} running")
         if not job.started:
-            job.path = body["path"]
+            job.path, job.index_dir = body["path"], body.get("index_dir")
             self._write(job)
         return self._reply_when_done(job, req)
 
