@@ -1,8 +1,8 @@
 """Selective dump by key: the client orchestrates, the owning units write their rows.
 
 The controller describes the rows (metadata only); each owner unit snapshots its rows
-and writes one shard; the client writes the row index and manifest and publishes the
-staging directory crash-safely (see :mod:`tqtx.publish`).
+and writes one shard and its index; the client writes the row index and manifest and
+publishes the staging directory crash-safely (see :mod:`tqtx.publish`).
 """
 from __future__ import annotations
 
