@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tqtx.metrics import BUCKETS_MS, Metrics, OpRecord, frames_nbytes, render_stats
-from tqtx.wire.codec import encode
+from tqtx.wire.codec import INLINE_LIMIT, encode
 from tqtx.wire.peer import Peer
 from tqtx.wire.rpc import Server
 from tqtx.wire.values import RawTensor
@@ -60,10 +60,11 @@ def test_add_is_thread_safe_and_gauges_never_raise():
 
 
 def test_frames_nbytes_counts_every_kind_of_frame():
-    big = RawTensor("float32", (2048,), bytearray(8192))
+    n = 2 * INLINE_LIMIT  # a frame of its own
+    big = RawTensor("float32", (n // 4,), bytearray(n))
     frames = encode({"x": big, "y": 1})
     assert len(frames) == 2
-    assert frames_nbytes(frames) == len(frames[0]) + 8192
+    assert frames_nbytes(frames) == len(frames[0]) + n
     assert frames_nbytes([b"ab", memoryview(b"abcd").cast("B")]) == 6
 
 

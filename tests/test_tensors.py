@@ -11,7 +11,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from tqtx import tensors as T
 from tqtx.schema import column_schema
-from tqtx.wire.codec import decode, encode
+from tqtx.wire.codec import INLINE_LIMIT, decode, encode
 from tqtx.wire.values import RawTensor
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
@@ -78,12 +78,13 @@ def test_row_views_cover_only_their_rows():
     r = cols["x"][500]
     assert memoryview(r.data).nbytes == 64 * 4
     # on the wire each row above the inline limit is its own frame of exactly its bytes
-    big2 = torch.zeros(10, 2048, dtype=torch.float32)
+    per_row = 2 * INLINE_LIMIT // 4  # float32 values: a row of twice the inline limit
+    big2 = torch.zeros(10, per_row, dtype=torch.float32)
     cols2 = T.columns_from_tensordict(TensorDict({"x": big2}, [10]), 10)
     frames = encode({"rows": [cols2["x"][3]]})
-    assert [memoryview(f).nbytes for f in frames[1:]] == [2048 * 4]
+    assert [memoryview(f).nbytes for f in frames[1:]] == [per_row * 4]
     out = decode([bytes(memoryview(f)) for f in frames])["rows"][0]
-    assert memoryview(out.data).nbytes == 2048 * 4
+    assert memoryview(out.data).nbytes == per_row * 4
 
 
 def test_jagged_round_trip_including_empty_rows():

@@ -60,6 +60,8 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     or $TQTX_SERVER_KEY), ``keys_dir`` (a ``tqtx keys init`` key dir, or $TQTX_KEYS_DIR;
     default ``<state_dir>/keys``), ``client_key`` (a client secret certificate file),
     ``insecure`` (allow a non-loopback host without keys, with a warning).
+    ``warm_dump`` (None): import the dump path during init so the first dump is as fast as
+    later ones; None does it only when this process starts the deployment.
     ``metrics`` (``{"enabled": bool, "port": int}``): Prometheus endpoints, controller at
     ``port`` and unit k at ``port + 1 + k`` (see docs/operations.md).
     ``placement: "ray"`` (with ``unit_node_resource``, ``ray_num_cpus``,
@@ -74,11 +76,15 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     with _lock:
         if _client is not None:
             return dict(_config)
-        _warm_dump_path()
         from .initconfig import resolve
         given = resolve(config)
         _set_compat(given.pop("compat", None))
         cfg = {**DEFAULTS, **given}
+        warm = cfg.get("warm_dump")  # None: only in a process that starts the deployment
+        if warm not in (None, True, False):
+            raise TypeError(f"warm_dump must be True, False or None, got {warm!r}")
+        if warm:
+            _warm_dump_path()
         address = address or cfg.get("address") or os.environ.get("TQTX_ADDRESS")
         if address:
             from .security import attach_curve
@@ -95,6 +101,8 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
                        "incarnation": topo["incarnation"]}
             _client = client
             return dict(_config)
+        if warm is None and cfg.get("placement") == "ray":
+            _warm_dump_path()  # this process places the deployment on the cluster
         from .placement.ray_init import init_on_ray  # imports Ray only if asked or loaded
         placed = init_on_ray({**cfg, "num_units_given": given.get("num_units")},
                              _default_state_dir)
@@ -114,6 +122,8 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
             if rec is not None:
                 _client, _config = _attach_recorded(rec, cfg, given.get("num_units"))
                 return dict(_config)
+            if warm is None:
+                _warm_dump_path()  # overlaps the servers' start
             _deployment, _client, _config = _start_embedded(cfg, state_dir, num_units)
             return dict(_config)
         finally:
@@ -121,9 +131,12 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
 
 
 def _warm_dump_path() -> None:
-    """Import the dump path (SQLAlchemy and the journals, ~0.4 s) in a daemon thread while
-    init waits for the servers, so the first dump costs what later ones do. A dump that
-    comes early waits on the import lock; a failure here shows again at the dump."""
+    """Import the dump path (SQLAlchemy and the journals, ~0.4 s of CPU and ~24 MiB) in a
+    daemon thread while init waits for the servers, so the first dump costs what later
+    ones do. By default only the process that starts the deployment (the trainer) does it;
+    attaching workers, which rarely dump, do not (config ``warm_dump`` True / False
+    decides instead). A dump that comes early waits on the import lock; a failure here
+    shows again at the dump."""
     def run():
         try:
             from .dump import save

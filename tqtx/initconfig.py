@@ -18,7 +18,7 @@ log = logging.getLogger("tqtx.init")
 # Every top-level key tqtx itself reads (see tqtx.api.init).
 TQTX_KEYS = {"num_units", "state_dir", "host", "port", "timeout", "address", "unit_env", "env",
              "server_key", "keys_dir", "client_key", "insecure", "metrics", "compat",
-             "durability",
+             "durability", "warm_dump",
              # Ray placement (tqtx.placement.ray_cluster, docs/deployment.md)
              "placement", "unit_node_resource", "ray_num_cpus", "ray_start_timeout", "ray_name"}
 

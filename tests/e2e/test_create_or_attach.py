@@ -5,6 +5,7 @@ owner record ``<state_dir>/deployment.json``.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -299,3 +300,29 @@ def test_creator_exports_its_state_dir_to_the_processes_it_starts(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"CHILD attached {state}" in out.stdout, out.stdout
     assert not (tmp_path / "home").exists()
+
+
+_WARMED = ("import sys, time, json, tqtx as tq\n"
+           "conf = {'state_dir': sys.argv[1]}\n"
+           "if sys.argv[2] != 'auto':\n"
+           "    conf['warm_dump'] = sys.argv[2] == 'on'\n"
+           "mode = tq.init(conf)['mode']\n"
+           "time.sleep(1.5)  # the warm-up thread, had it started, has imported by now\n"
+           "print(json.dumps([mode, 'tqtx.journal.store' in sys.modules]))\n"
+           "tq.close()\n")
+
+
+@pytest.mark.parametrize("warm,expect", [("auto", False), ("on", True)])
+def test_an_attaching_process_warms_the_dump_path_only_when_asked(tmp_path, warm, expect):
+    """The creator warms the dump path for its first dump; an attaching worker does not
+    pay ~0.4 s of CPU and ~24 MiB for a dump it will rarely make, unless its config asks."""
+    state = str(tmp_path / "state")
+    tq.close()
+    try:
+        assert tq.init({"state_dir": state})["mode"] == "embedded"
+        out = subprocess.run([sys.executable, "-c", _WARMED, state, warm],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == ["attached", expect]
+    finally:
+        tq.close()
