@@ -323,22 +323,20 @@ class _DumpRecord:
 
     def __init__(self, client, body: dict):
         self.client, self.body = client, body
-        self.peer = self.rid = None
+        self.pending = None
 
     def send(self, size: int) -> None:
         try:
-            self.peer = self.client.controller
-            self.rid = self.peer.send("RECORD_DUMP", {**self.body, "bytes": size})
-            self.sent_at = self.peer._sent_at
+            self.pending = self.client.controller.start("RECORD_DUMP",
+                                                        {**self.body, "bytes": size})
         except Exception as exc:  # the dump is published; the audit row is best effort
             self._warn(exc)
 
     def wait(self) -> None:
-        if self.rid is None:
+        if self.pending is None:
             return
         try:
-            self.peer.receive(self.rid, "RECORD_DUMP", self.sent_at + self.peer.timeout,
-                              self.sent_at)
+            self.pending.wait()
         except Exception as exc:
             self._warn(exc)
 

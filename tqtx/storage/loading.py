@@ -14,7 +14,6 @@ from .. import format as fmt
 from ..errors import PeerTimeoutError
 from ..schema import validate_row
 from ..wire.peer import CONNECT_TIMEOUT, Peer
-from ..wire.rpc import new_id
 from ..wire.values import value_nbytes
 
 log = logging.getLogger("tqtx.unit")
@@ -36,10 +35,9 @@ class Report:
         if peer.connect_timeout is None:
             peer.connect_timeout = CONNECT_TIMEOUT
         self.peer, self.body, self.attempts, self.timeout = peer, body, attempts, timeout
-        self.rid = new_id()
         self.done = False
-        peer.send("RESTORE_UNIT", body, self.rid)
-        self.sent_at = peer._sent_at
+        self.first = peer.start("RESTORE_UNIT", body)
+        self.rid = self.first.rid
 
     def wait(self):
         """The controller's reply; raises what the controller answered (e.g. a refusal)."""
@@ -48,8 +46,7 @@ class Report:
         for attempt in range(self.attempts):
             try:
                 if attempt == 0:
-                    return peer.receive(self.rid, "RESTORE_UNIT", self.sent_at + self.timeout,
-                                        self.sent_at)
+                    return self.first.wait(self.timeout)
                 return peer.call("RESTORE_UNIT", body, rid=self.rid, timeout=self.timeout)
             except PeerTimeoutError:
                 if attempt == self.attempts - 1:

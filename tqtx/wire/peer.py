@@ -164,12 +164,29 @@ class Peer:
             self.reset()
             raise self.died(why, op)
 
+    def start(self, op: str, body: dict | None = None, rid: str | None = None) -> "Pending":
+        """Send one request now; its reply is read later (:meth:`Pending.wait`)."""
+        return Pending(self, op, self.send(op, body, rid))
+
     def call(self, op: str, body: dict | None = None, *, timeout: float | None = None,
              rid: str | None = None):
         """Send one request and wait for its reply."""
-        timeout = self.timeout if timeout is None else timeout
-        rid = self.send(op, body, rid)
-        return self.receive(rid, op, self._sent_at + timeout, self._sent_at)
+        return self.start(op, body, rid).wait(timeout)
+
+
+class Pending:
+    """A request :meth:`Peer.start` sent, whose reply has not been read yet."""
+
+    __slots__ = ("peer", "op", "rid", "sent_at")
+
+    def __init__(self, peer: Peer, op: str, rid: str):
+        self.peer, self.op, self.rid, self.sent_at = peer, op, rid, peer._sent_at
+
+    def wait(self, timeout: float | None = None):
+        """The reply, waited for until ``timeout`` (else the peer's) after the request was
+        sent; raises as :meth:`Peer.receive` does."""
+        t = self.peer.timeout if timeout is None else timeout
+        return self.peer.receive(self.rid, self.op, self.sent_at + t, self.sent_at)
 
 
 def call_many(calls: list[tuple], *, timeout: float | None = None,
