@@ -84,12 +84,14 @@ def fsync_tree(root: Path, *, files: bool = True) -> int:
     return total
 
 
-def write_file_synced(path: Path, data: bytes) -> None:
-    """Create or truncate ``path``, write ``data`` and fsync it (not its directory).
+def write_file_synced(path: Path, data: bytes, *, exclusive: bool = False) -> None:
+    """Create or truncate ``path`` (``exclusive``: create only, FileExistsError if it
+    exists), write ``data`` and fsync it (not its directory).
 
     Not atomic by itself: callers that need that write a temp file and rename it.
     """
-    fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC) | os.O_WRONLY
+                 | O_CLOEXEC, 0o644)
     try:
         with naming(path, "writing file"):
             view = memoryview(data)

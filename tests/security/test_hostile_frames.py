@@ -223,3 +223,20 @@ def test_torn_dump_snapshot_columns_are_refused(tq_shared):
         with pytest.raises(ValueError, match=message):
             unit.call("DUMP_SNAPSHOT", {"dump_id": dump_id, **body}, timeout=10)
     assert dump_id not in unit.call("STATS", timeout=10)["open_dumps"]
+
+
+def test_dump_that_asks_for_an_index_beside_a_misnamed_shard_is_refused(tq_shared, tmp_path):
+    """A unit writes a shard's index only beside a shard named as the format says
+    (``<dir>/shards/unit-<k>.bin``): elsewhere it could truncate a file that is not tqtx's.
+    Refused before anything is written or held."""
+    from tqtx.wire.columns import pack_int64
+    unit = tq.get_client().unit(2)
+    dump_id = f"misnamed-{uuid.uuid4().hex[:6]}"
+    path = tmp_path / "shards" / "unit-1.bin"  # unit 1's name, sent to unit 2
+    path.parent.mkdir()
+    body = {"dump_id": dump_id, "indexes": pack_int64([]), "fields_of": pack_int64([]),
+            "field_sets": [], "path": str(path), "index": True}
+    with pytest.raises(ValueError, match="not the shard of unit 2"):
+        unit.call("DUMP_ROWS", body, timeout=10)
+    assert list(tmp_path.rglob("*")) == [path.parent]
+    assert dump_id not in unit.call("STATS", timeout=10)["open_dumps"]

@@ -272,7 +272,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                     if via == "units":
                         for u, req in per_unit.items():
                             req["path"] = str(pub.staging_dir / fmt.shard_file_name(u))
-                            req["index_dir"] = str(pub.staging_dir)  # units write the index
+                            req["index"] = True  # units write the shard's index beside it
                         written = _unit_write(client, handle, per_unit, snapshotted)
                         snapshotted = False  # the units' jobs end (and release) by themselves
                     else:
@@ -390,7 +390,7 @@ def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict], snapshott
         return {}
     if snapshotted:
         result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id, "path": r["path"],
-                                                  "index_dir": r["index_dir"]}
+                                                  "index": r["index"]}
                                               for u, r in per_unit.items()})
         if handle._cancel.is_set():
             raise DumpCancelled(f"dump {handle.dump_id} to {handle.dump_dir} was cancelled")

@@ -50,13 +50,14 @@ def write_row_index(staging_dir, *, partition_id: str, dump_id: str, field_schem
 
 
 def write_shard_index(staging_dir, unit, entries) -> dict:
-    """Write ``shards/unit-<unit>.index`` and fsync it; returns ``{"file", "size", "crc32"}``."""
+    """Write ``shards/unit-<unit>.index`` (a new file, as its shard is) and fsync it;
+    returns ``{"file", "size", "crc32"}``."""
     rel = shard_index_name(unit)
     data = codec.packb({"format_version": FORMAT_VERSION, "unit": unit,
                         "shard": shard_file_name(unit), "records": _arrays(entries)})
     path = Path(staging_dir) / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    fsutil.write_file_synced(path, data)
+    fsutil.write_file_synced(path, data, exclusive=True)
     return {"file": rel, "size": len(data), "crc32": checksum(data)}
 
 

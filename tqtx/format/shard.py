@@ -31,6 +31,15 @@ def shard_index_name(unit) -> str:
     return f"{SHARDS_DIR}/unit-{unit}.index"
 
 
+def shard_dump_dir(path, unit) -> Path:
+    """The dump (or staging) directory holding the shard at ``path``; ValueError unless
+    ``path`` is named as :func:`shard_file_name` says for ``unit``."""
+    p, rel = Path(path), Path(shard_file_name(unit))
+    if p.parts[-len(rel.parts):] != rel.parts:
+        raise ValueError(f"{path}: not the shard of unit {unit} (expected .../{rel})")
+    return p.parents[len(rel.parts) - 1]
+
+
 def by_offset(entry):
     """Sort key of a ``[global_index, offset, length, crc32]`` entry: its offset."""
     return entry[1]

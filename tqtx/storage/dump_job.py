@@ -15,10 +15,10 @@ class DumpJob:
     """One shard being written from a snapshot of rows (held by reference, never copied):
     ``(indexes, row dicts, field-set numbers)``, the fields named by ``field_sets``."""
 
-    def __init__(self, dump_id: str, path: str | None, snapshot: tuple, field_sets: list,
-                 unit_id: int, index_dir: str | None = None):
-        self.dump_id, self.path, self.snapshot, self.unit_id = dump_id, path, snapshot, unit_id
-        self.index_dir = index_dir  # the staging dir: write the shard's index there too
+    def __init__(self, dump_id: str, snapshot: tuple, field_sets: list, unit_id: int):
+        self.dump_id, self.snapshot, self.unit_id = dump_id, snapshot, unit_id
+        self.path: str | None = None
+        self.write_index = False
         self.field_sets = field_sets
         self._callbacks: list | None = []  # None once finished
         self._lock = threading.Lock()
@@ -26,6 +26,13 @@ class DumpJob:
         self.cancelled = threading.Event()
         self.result: dict | None = None
         self.error: BaseException | None = None
+
+    def target(self, path: str, write_index: bool) -> None:
+        """Where the shard goes; ``write_index``: its index too, beside it (the shard must
+        then be named as the format says: ValueError before anything is written)."""
+        if write_index:
+            fmt.shard_dump_dir(path, self.unit_id)
+        self.path, self.write_index = path, write_index
 
     def on_done(self, fn) -> None:
         """Call ``fn()`` when the job has finished (now, if it has)."""
@@ -74,8 +81,9 @@ class DumpJob:
             writer = fmt.ShardWriter(self.path)
             writer.write_rows(self._rows())
             entries = writer.close(fsync=True)
-            if self.index_dir is not None:  # the shard's index too, in parallel with the others
-                result = {"index": fmt.write_shard_index(self.index_dir, self.unit_id, entries)}
+            if self.write_index:  # beside the shard, in parallel with the other units
+                result = {"index": fmt.write_shard_index(
+                    fmt.shard_dump_dir(self.path, self.unit_id), self.unit_id, entries)}
             else:
                 result = {"entries": entries}
             faults.hit("unit.dump.after_fsync")

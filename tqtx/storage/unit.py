@@ -167,8 +167,10 @@ class StorageUnit(RedoRestore, UnitAttach):
             idx = indexes[rows.index(None)]
             raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
         # three parallel columns, no tuple per row: nothing here for the collector to count
-        job = DumpJob(body["dump_id"], body.get("path"), (indexes, rows, fields_of),
-                      body["field_sets"], self.unit_id, body.get("index_dir"))
+        job = DumpJob(body["dump_id"], (indexes, rows, fields_of), body["field_sets"],
+                      self.unit_id)
+        if body.get("path") is not None:
+            job.target(body["path"], bool(body.get("index")))
         self.dump_jobs[job.dump_id] = job
         job.on_done(lambda: self._account_dump(job))
         if job.path is not None:
@@ -216,7 +218,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         if job is None:
             raise RuntimeError(f"unit {self.unit_id} has no dump {body['dump_id']} running")
         if not job.started:
-            job.path, job.index_dir = body["path"], body.get("index_dir")
+            job.target(body["path"], bool(body.get("index")))
             self._write(job)
         return self._reply_when_done(job, req)
 
