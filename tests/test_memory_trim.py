@@ -114,3 +114,28 @@ def test_trim_returns_what_a_thread_freed_only_with_a_single_arena(arenas):
         assert kept < 4 * MiB
     else:  # glibc's behaviour this works around (shows the test measures something)
         assert kept > 16 * MiB
+
+
+def test_quiet_trim_collects_first_only_when_asked(monkeypatch):
+    """A unit holding few rows asks for a full collection before its quiet trim (it empties
+    the interpreter's free lists); a growth trim, or a unit holding many rows, does not."""
+    collected = []
+    monkeypatch.setattr(memory.gc, "collect", lambda *a: collected.append(1) or 0)
+    few = [True]
+    t = memory.Trimmer(threshold=1 << 40, period=60, quiet_checks=2,
+                       collect_if=lambda: few[0])
+    bufs = [bytearray(24 * 1024) for _ in range(512)]
+    t.check()
+    del bufs[::2]
+    assert [t.check() for _ in range(3)] == [False, False, True]
+    assert collected == [1]
+    few[0] = False
+    del bufs[::2]
+    assert [t.check() for _ in range(3)] == [False, False, True]
+    assert collected == [1]  # many rows: a collection would cost too much; trimmed anyway
+    more = [bytearray(24 * 1024) for _ in range(512)]
+    g = memory.Trimmer(threshold=4 * MiB, period=60, collect_if=lambda: True)
+    g.check()
+    del more[::2]  # 6 MiB freed at once
+    assert g.check() is True and collected == [1]  # a growth trim never collects
+    del bufs, more

@@ -36,3 +36,26 @@ def test_restored_records_share_dtype_and_shape_objects():
     assert got[0]["x"].dtype is got[1]["y"].dtype == "float32"
     assert got[0]["x"].shape is got[1]["x"].shape is got[1]["y"].shape == (700,)
     assert got == rows
+
+
+def test_a_unit_whose_last_row_is_dropped_forgets_the_shapes_its_rows_shared():
+    """The shared shapes were made amid the rows' objects; kept after the last row went,
+    they would hold the memory pages under them (docs/performance.md, unit memory)."""
+    from tqtx.storage.unit import StorageUnit
+    from tqtx.wire import values
+
+    u = StorageUnit(0, "tcp://127.0.0.1:9")  # never registers: only its row handlers run
+    try:
+        values.forget_shapes()
+        rows = _put_rows(3)
+        u.put_rows({"rows": [[i, r] for i, r in enumerate(rows)]}, None)
+        assert (300,) in values._SHAPES and (1000,) in values._SHAPES
+        u.drop_rows({"indexes": [0, 1]}, None)
+        assert (300,) in values._SHAPES and len(u.rows) == 1  # a row still shares them
+        assert u.drop_rows({"indexes": [2, 7]}, None) == {"dropped": 1}
+        assert values._SHAPES == {} and u.rows == {} and u.bytes_held == 0
+        u.put_rows({"rows": [[5, _put_rows(1)[0]]]}, None)  # and it goes on working
+        assert u.rows[5]["a"].shape == (300,) and (300,) in values._SHAPES
+    finally:
+        u.server.socket.close(linger=0)
+        u.server._wake.close(linger=0)

@@ -35,8 +35,11 @@ def main(argv=None) -> int:
     from ..metrics import maybe_start_exporter
     maybe_start_exporter(unit.server.metrics, 1 + args.unit_id)  # only with TQTX_METRICS_PORT
     announce({"ready": unit.address, "pid": os.getpid(), "unit_id": args.unit_id})
-    from .memory import start_trimmer
-    unit.trimmer = start_trimmer()  # freed row memory goes back to the OS (docs/performance.md)
+    import gc
+    gc.freeze()  # start-up objects stay out of every later collection (and the trimmer's)
+    from .memory import FEW_ROWS, start_trimmer
+    # freed row memory goes back to the OS (docs/performance.md, unit memory)
+    unit.trimmer = start_trimmer(collect_if=lambda: len(unit.rows) <= FEW_ROWS)
     unit.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
     unit.serve_forever()
     return 0

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import threading
+from typing import Callable
 
 from ..wire.codec import ZMQ_RECV_BATCH
 from ..wire.values import DTYPE_NAMES, RawTensor, shared_shape
@@ -29,6 +31,7 @@ TRIM_BYTES = int(os.environ.get("TQTX_TRIM_BYTES", str(256 << 20)))
 PERIOD = float(os.environ.get("TQTX_TRIM_PERIOD", "0.2"))
 QUIET_CHECKS = 5  # unchanged for 1 s at the default period
 QUIET_BYTES = 1 << 20
+FEW_ROWS = 4096  # a full collection then costs ≈7 ms (7,680 rows: 14 ms; start-up objects frozen)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -72,8 +75,13 @@ class Trimmer:
     reuse the freed pages instead of faulting fresh ones."""
 
     def __init__(self, threshold: int = TRIM_BYTES, period: float = PERIOD,
-                 quiet_checks: int = QUIET_CHECKS):
+                 quiet_checks: int = QUIET_CHECKS, collect_if: Callable[[], bool] | None = None):
         self.threshold, self.period, self.quiet_checks = threshold, period, quiet_checks
+        # Before a quiet trim, a full collection when collect_if() says it is cheap (a
+        # unit holding few rows): it empties the interpreter's free lists (tuples, dicts,
+        # floats kept for reuse); after a clear, those objects, spread over the arenas the
+        # rows used, kept 1-2 MiB a unit resident (measured; docs/performance.md).
+        self.collect_if = collect_if
         self.trims = 0
         self._stop = threading.Event()
         self._base = self._last = free_bytes() or 0
@@ -103,6 +111,8 @@ class Trimmer:
         quiet = self._same >= self.quiet_checks and (self._moved or grown > QUIET_BYTES)
         if grown < self.threshold and not quiet:
             return False
+        if quiet and self.collect_if is not None and self.collect_if():
+            gc.collect()
         trim()
         self.trims += 1
         self._base = self._last = free_bytes() or 0  # trimmed pages still count as free
@@ -142,9 +152,9 @@ def single_arena() -> bool:
     return bool(_LIBC.mallopt(M_ARENA_MAX, 1))
 
 
-def start_trimmer() -> Trimmer:
+def start_trimmer(collect_if: Callable[[], bool] | None = None) -> Trimmer:
     """Start the watcher thread of this process (a unit's ``__main__`` calls it)."""
-    return Trimmer().start()
+    return Trimmer(collect_if=collect_if).start()
 
 
 # A frame that fits libzmq's shared receive buffer is a view into it: a stored row frame of

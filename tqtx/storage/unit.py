@@ -21,7 +21,7 @@ from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Server
-from ..wire.values import value_nbytes
+from ..wire.values import forget_shapes, value_nbytes
 from . import loading
 from .attach import UnitAttach
 from .dump_job import DumpJob
@@ -146,7 +146,16 @@ class StorageUnit(RedoRestore, UnitAttach):
                 n += 1
                 freed += _row_nbytes(row)
         self.bytes_held -= freed
+        if n and not self.rows:
+            self._emptied()
         return {"dropped": n}
+
+    def _emptied(self) -> None:
+        """The last row went: let go of what only rows needed, so the memory pages it sits
+        on can go back to the OS (docs/performance.md, unit memory). A dict keeps its
+        table at its largest size; clear() frees it (the same dict: others hold it)."""
+        self.rows.clear()
+        forget_shapes()
 
     # ---------------------------------------------------------------- dump
     def _start_dump(self, body) -> DumpJob:

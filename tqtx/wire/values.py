@@ -33,6 +33,12 @@ def shared_shape(shape: tuple) -> tuple:
     return got
 
 
+def forget_shapes() -> None:
+    """Drop the shared shapes (a storage unit that holds no rows any more: the cached
+    tuples, made amid the rows' objects, would keep their memory pages alive)."""
+    _SHAPES.clear()
+
+
 class RawTensor:
     """A tensor as header + bytes: ``dtype`` name, ``shape`` tuple and a buffer ``data``.
 
