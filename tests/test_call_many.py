@@ -251,3 +251,30 @@ def test_a_deferred_reply_after_the_loop_stopped_does_not_block_its_worker():
         release.set()
         peer.close()
         pool.shutdown(wait=False)
+
+
+def test_after_send_runs_while_the_peers_work_and_its_error_waits_for_them(units):
+    peers = _peers(units)
+    try:
+        seen = []
+
+        def own_work():  # every request is out: the late one finishes while this runs
+            deadline = time.monotonic() + 5
+            while not units[1].answered and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append(len(units[1].answered))
+
+        results = call_many([(peers[0], "FAST", {"n": 0}), (peers[1], "LATE", {"s": 0.2, "n": 1})],
+                            timeout=5, after_send=own_work)
+        assert [r["n"] for r in results] == [0, 1] and seen == [1]
+
+        def failing():
+            raise OSError("the caller's own write failed")
+
+        with pytest.raises(OSError, match="own write failed"):
+            call_many([(peers[1], "LATE", {"s": 0.4, "n": 2}), (peers[2], "FAST", {})],
+                      timeout=5, after_send=failing)
+        assert len(units[1].answered) == 2  # the late reply was waited for before raising
+    finally:
+        for p in peers:
+            p.close()

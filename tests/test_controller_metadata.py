@@ -5,12 +5,29 @@ import pytest
 
 from tqtx.controller.kv import HeldTags, KVRequests
 from tqtx.controller.metadata import Metadata
+from tqtx.wire.columns import unpack_int64
+
+
+class _AfterReply:
+    """The server's after_reply as its loop runs it: once the handler has returned."""
+
+    def __init__(self):
+        self.queued = []
+
+    def after_reply(self, fn):
+        self.queued.append(fn)
+
+    def run(self):
+        fns, self.queued = self.queued, []
+        for fn in fns:
+            fn()
 
 
 class _Describer(KVRequests):
     def __init__(self, meta: Metadata):
         self.meta, self.num_units, self.topology_incarnation = meta, 4, 7
         self.held_tags = HeldTags()
+        self.server = _AfterReply()
 
 
 def _put(meta: Metadata, pid: str, keys: list[str], fields: list[str], tags=None):
@@ -64,6 +81,12 @@ def test_describe_numbers_field_sets_by_value_in_request_order():
     assert out["field_sets"] == [["a"], ["a", "b"]]
     assert out["fields_of"] == [0, 1, 1]
     assert out["indexes"] == [part.keys[k] for k in ("k2", "k0", "k1")]
+    packed = d.describe_rows({"partition_id": "p", "keys": ["k2", "k0", "k1"], "packed": True},
+                             None)
+    assert list(unpack_int64(packed["fields_of"])) == [0, 1, 1]
+    assert list(unpack_int64(packed["indexes"])) == out["indexes"]
+    one = d.describe_rows({"partition_id": "p", "keys": ["k0", "k1"], "packed": True}, None)
+    assert one["field_sets"] == [["a", "b"]] and list(unpack_int64(one["fields_of"])) == [0, 0]
     assert out["tags"] == [{}, {"t": 0}, {}]
     assert sorted(out["field_schema"]) == ["a", "b"]
 
@@ -73,7 +96,9 @@ def test_describe_holds_tags_by_reference_until_taken():
     _put(meta, "p", ["k0", "k1"], ["a"], tags=[{"s": "old"}, {"s": "old1"}])
     d = _Describer(meta)
     out = d.describe_rows({"partition_id": "p", "keys": ["k1", "k0"], "hold_tags": "D"}, None)
-    assert "tags" not in out and len(d.held_tags) == 1
+    assert "tags" not in out and len(d.held_tags) == 0  # read once the reply has left
+    d.server.run()  # the loop, before it reads the next request
+    assert len(d.held_tags) == 1
     _put(meta, "p", ["k0"], ["a"], tags=[{"s": "new"}])  # re-tagged after the call
     assert d.take_dump_tags({"dump_id": "D"}, None) == {"tags": [{"s": "old1"}, {"s": "old"}]}
     with pytest.raises(KeyError, match="holds no tags for background dump D"):

@@ -1,4 +1,5 @@
-"""A server does not keep a request's frames alive once it has handled it."""
+"""A server does not keep a request's frames alive once it has handled it; work a handler
+leaves for after its reply runs before the next request."""
 from __future__ import annotations
 
 import gc
@@ -40,4 +41,87 @@ def test_handled_request_frames_are_released():
     finally:
         server.stop()
         thread.join(10)
+        peer.close()
+
+
+def test_after_reply_runs_once_the_reply_is_sent_and_before_the_next_request():
+    server = Server("controller")
+    state = {"value": 0, "snapshot": None}
+    replied = threading.Event()
+    log = []
+
+    def look(body, req):  # replies at once; reads the state it describes after the reply
+        def later():
+            replied.wait(10)  # the caller already has its reply while this runs
+            log.append("after_reply")
+            state["snapshot"] = state["value"]
+        server.after_reply(later)
+        log.append("look")
+        return {"ok": True}
+
+    def change(body, req):
+        log.append("change")
+        state["value"] += 1
+        return {"snapshot": state["snapshot"]}
+
+    server.add("LOOK", look)
+    server.add("CHANGE", change, mutating=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
+    thread.start()
+    peers = [Peer(server.address, f"controller {i}", timeout=30) for i in range(2)]
+    try:
+        assert peers[0].call("CHANGE", {}) == {"snapshot": None}
+        # LOOK's reply arrives while its after-reply work is still waiting
+        assert peers[1].call("LOOK", {}, timeout=5) == {"ok": True}
+        pending_change = peers[0].start("CHANGE", {})  # sent while that work still waits
+        time.sleep(0.2)
+        replied.set()
+        # the second CHANGE was read after LOOK's after-reply work, which saw the state as
+        # LOOK did (one change), not as the second CHANGE left it
+        assert pending_change.wait() == {"snapshot": 1}
+        assert log == ["change", "look", "after_reply", "change"]
+    finally:
+        server.stop()
+        thread.join(10)
+        for p in peers:
+            p.close()
+
+
+def test_after_reply_runs_before_a_request_already_queued_behind():
+    server = Server("controller")
+    go = threading.Event()
+    state = {"value": 0, "seen": []}
+
+    def block(body, req):  # holds the loop while the next two requests queue up
+        go.wait(10)
+        return {"ok": True}
+
+    def look(body, req):
+        server.after_reply(lambda: state["seen"].append(state["value"]))
+        return {"ok": True}
+
+    def change(body, req):
+        state["value"] += 1
+        return {"seen": list(state["seen"])}
+
+    server.add("BLOCK", block)
+    server.add("LOOK", look)
+    server.add("CHANGE", change, mutating=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
+    thread.start()
+    blocker, peer = (Peer(server.address, f"controller {i}", timeout=30) for i in range(2))
+    try:
+        pending_block = blocker.start("BLOCK", {})
+        time.sleep(0.2)
+        looked = peer.start("LOOK", {})  # one connection: read in this order, in one batch
+        changed = peer.start("CHANGE", {})
+        time.sleep(0.2)
+        go.set()
+        assert pending_block.wait() == {"ok": True}
+        assert looked.wait() == {"ok": True}
+        assert changed.wait() == {"seen": [0]}  # LOOK's after-reply work ran first
+    finally:
+        server.stop()
+        thread.join(10)
+        blocker.close()
         peer.close()

@@ -284,15 +284,17 @@ class Client:
         """Routing: a pure function of the global index and the ordered unit list."""
         return index % self.num_units
 
-    def fan_out(self, op: str, per_unit: dict[int, dict], timeout: float | None = None) -> dict:
+    def fan_out(self, op: str, per_unit: dict[int, dict], timeout: float | None = None, *,
+                after_send=None) -> dict:
         """One request per unit, all at once; waits for every unit, then raises the first error.
 
         A unit that is dead or silent makes the client re-read the topology; an idempotent
         request is sent once more to a unit that re-registered at a new address.
+        ``after_send``: the caller's work while the units work (see :func:`call_many`).
         """
         uids = sorted(per_unit)
         results = call_many([(self.unit(u), op, per_unit[u]) for u in uids], timeout=timeout,
-                            raise_first=False)
+                            raise_first=False, after_send=after_send)
         lost = [i for i, r in enumerate(results)
                 if isinstance(r, (PeerDiedError, PeerTimeoutError))]
         if lost:

@@ -1,7 +1,8 @@
 """Every file name tqtx uses beside a dump or in a state dir, and what tqtx may replace.
 
 Beside a dump ``<dump>`` (siblings, never inside it): ``<dump>.lock`` (the dump lock),
-``<dump>.journal.sqlite`` (with SQLite's ``-journal`` file and ``.migrate.lock``) and, only
+``<dump>.journal.sqlite`` (with SQLite's ``-journal`` file and, once it was upgraded from
+an older schema, ``.migrate.lock``) and, only
 while a publication runs or after it crashed, ``<dump>.tmp-<attempt>`` (staging) and
 ``<dump>.old`` (the previous dump during the swap). In a state dir: ``journal.sqlite``,
 ``controller.lock`` and, for dumps on read-only storage, ``dumps/<sha256>.lock`` and

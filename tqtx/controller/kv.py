@@ -187,20 +187,26 @@ class KVRequests:
         for sid, obj in enumerate(set_ids):
             set_ids[obj] = sid
             field_sets.append(sorted(obj))
-        fields_of = [0] * len(objs) if len(set_ids) == 1 else \
-            list(map(set_ids.__getitem__, objs))
         used = sorted(set().union(*field_sets)) if field_sets else []
         if body.get("packed"):  # int64 columns as raw bytes: no per-row msgpack work
-            indexes, fields_of = pack_int64(indexes), pack_int64(fields_of)
+            indexes = pack_int64(indexes)
+            fields_of = bytes(8 * len(objs)) if len(set_ids) == 1 else \
+                pack_int64(map(set_ids.__getitem__, objs))  # one set: all zero
+        else:
+            fields_of = [0] * len(objs) if len(set_ids) == 1 else \
+                list(map(set_ids.__getitem__, objs))
         out = {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
                "topology": self.topology_incarnation}
-        tags = list(map(part.tags.get, keys))  # tag dicts are replaced, never changed in place
         hold = body.get("hold_tags")
-        if hold:  # a background dump takes them later (TAKE_DUMP_TAGS), off the call path
-            self.held_tags.hold(hold, tags)
+        if hold:
+            # A background dump takes the tags later (TAKE_DUMP_TAGS), off the call path; they
+            # are read right after this reply leaves, before any other request can change
+            # them (tag dicts are replaced, never changed in place).
+            self.server.after_reply(
+                lambda: self.held_tags.hold(hold, list(map(part.tags.get, keys))))
         else:
-            out["tags"] = [t or {} for t in tags]
+            out["tags"] = [t or {} for t in map(part.tags.get, keys)]
         return out
 
     def take_dump_tags(self, body, req):

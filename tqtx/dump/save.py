@@ -116,11 +116,13 @@ def normalize_keys(keys) -> list[str]:
     if isinstance(keys, str):
         raise TypeError("keys must be a list of str, not a single str")
     out = list(dict.fromkeys(keys))  # duplicates dropped, first wins
-    if not set(map(type, out)) <= {str}:  # C-level scan; str subclasses are looked at below
-        bad = [k for k in out if not isinstance(k, str)]
-        if bad:
-            raise TypeError(f"keys must be str; got {type(bad[0]).__name__} {bad[0]!r}")
-    check_utf8("keys", out)
+    try:  # one C-level pass: join takes only str (and subclasses), encode refuses surrogates
+        "".join(out).encode("utf-8")
+    except TypeError:
+        bad = next(k for k in out if not isinstance(k, str))
+        raise TypeError(f"keys must be str; got {type(bad).__name__} {bad!r}") from None
+    except UnicodeEncodeError:
+        check_utf8("keys", out)  # names the key
     return out
 
 
@@ -269,17 +271,22 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                 pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
                 try:
                     (pub.staging_dir / fmt.SHARDS_DIR).mkdir()
+                    row_index = []  # the row index is written while the units write
                     if via == "units":
                         for u, req in per_unit.items():
                             req["path"] = str(pub.staging_dir / fmt.shard_file_name(u))
                             req["index"] = True  # units write the shard's index beside it
-                        written = _unit_write(client, handle, per_unit, snapshotted)
+                        written = _unit_write(client, handle, per_unit, snapshotted,
+                                              while_writing=lambda: row_index.append(
+                                                  _write_row_index(pub.staging_dir, dump_id,
+                                                                   pid, desc, rows)))
                         snapshotted = False  # the units' jobs end (and release) by themselves
                     else:
                         written = _client_write(client, pub.staging_dir, pid, keys, with_data)
                     faults.hit("client.dump.after_units_written")
                     shards = _write_indexes(pub.staging_dir, dump_id, pid, via, desc, rows,
-                                            with_data, written)
+                                            with_data, written,
+                                            row_index[0] if row_index else None)
                     if handle._cancel.is_set():
                         raise DumpCancelled(f"dump {dump_id} to {dump_dir} was cancelled")
                     pub.mark_written()
@@ -356,9 +363,16 @@ def _rows(keys: list[str], desc: dict) -> tuple[list, list]:
 
 
 @gc_paused
+def _write_row_index(staging, dump_id: str, pid: str, desc: dict, rows: list) -> dict:
+    return fmt.write_row_index(staging, partition_id=pid, dump_id=dump_id,
+                               field_schema=desc["field_schema"], rows=rows)
+
+
+@gc_paused
 def _write_indexes(staging, dump_id: str, pid: str, via: str, desc: dict, rows: list,
-                   with_data: list, written: dict) -> list[dict]:
-    """Write the shard indexes, the row index and the manifest; returns the shard list."""
+                   with_data: list, written: dict, row_index: dict | None) -> list[dict]:
+    """Write the shard indexes the units did not, the row index unless ``row_index`` (its
+    manifest entry) says it is written, and the manifest; returns the shard list."""
     shards, payload = [], 0
     for u, reply in sorted(written.items()):
         index_entry = reply.get("index")  # units write their shard's index
@@ -367,8 +381,8 @@ def _write_indexes(staging, dump_id: str, pid: str, via: str, desc: dict, rows: 
         shards.append({"unit": u, "file": fmt.shard_file_name(u), "size": reply["bytes"],
                        "records": reply["rows"], "index": index_entry})
         payload += reply["bytes"]
-    row_index = fmt.write_row_index(staging, partition_id=pid, dump_id=dump_id,
-                                    field_schema=desc["field_schema"], rows=rows)
+    if row_index is None:
+        row_index = _write_row_index(staging, dump_id, pid, desc, rows)
     fmt.write_manifest(staging, dump_id=dump_id, partition_id=pid, keys=len(rows),
                        rows_with_data=len(with_data), bytes=payload, row_index=row_index,
                        shards=shards, writer=via, tqtx_version=__version__)
@@ -380,22 +394,25 @@ def _cancel_units(client, dump_id: str, per_unit: dict) -> None:
               raise_first=False, timeout=30)
 
 
-def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict], snapshotted: bool) -> dict:
+def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict], snapshotted: bool, *,
+                while_writing) -> dict:
     """Owner units write their rows in parallel; payload never reaches us.
 
     Blocking dumps snapshot and write in one round trip (DUMP_ROWS); background dumps
-    already hold their snapshots and start writing with DUMP_WAIT.
+    already hold their snapshots and start writing with DUMP_WAIT. ``while_writing()``
+    runs here once the requests are out (not at all without units to write).
     """
     if not per_unit:
         return {}
     if snapshotted:
         result = client.fan_out("DUMP_WAIT", {u: {"dump_id": handle.dump_id, "path": r["path"],
                                                   "index": r["index"]}
-                                              for u, r in per_unit.items()})
+                                              for u, r in per_unit.items()},
+                                after_send=while_writing)
         if handle._cancel.is_set():
             raise DumpCancelled(f"dump {handle.dump_id} to {handle.dump_dir} was cancelled")
         return result
-    return client.fan_out("DUMP_ROWS", per_unit)
+    return client.fan_out("DUMP_ROWS", per_unit, after_send=while_writing)
 
 
 def _client_write(client, staging_dir, pid: str, keys: list[str], with_data: list) -> dict:

@@ -279,9 +279,30 @@ def open_plain(path: str | os.PathLike, chain: str, *, wal: bool,
     already the head."""
     conn = PlainConnection(path, wal=wal)
     try:
-        if upgrade and conn.stamp() != HEADS[chain]:
+        if upgrade and conn.stamp() != HEADS[chain] and not create_head_plain(conn, chain):
             migrate(path, chain)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def create_head_plain(conn: PlainConnection, chain: str) -> bool:
+    """Create ``chain``'s head schema in the empty database behind ``conn``, in one
+    BEGIN IMMEDIATE transaction (SQLite's write lock serializes concurrent creators, and
+    the stamp is read again under it); True if the database is now at head. False for a
+    database that holds tables but no head stamp: that one goes through :func:`migrate`.
+
+    A dump to a new directory creates its journal this way: no SQLAlchemy engine, no
+    ``.migrate.lock`` file, a few plain statements."""
+    head = HEADS[chain]
+    with conn.transaction() as run:
+        stamp = _stamped_revision(conn)
+        if stamp == head:
+            return True
+        if stamp is not None or run("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            return False
+        for stmt in head_schema_sql(chain):
+            run(stmt)
+        run("INSERT INTO alembic_version (version_num) VALUES (?)", (head,))
+    return True

@@ -7,7 +7,8 @@
 Every connection gets the pragmas listed in :func:`tqtx.journal.migrate.make_engine`; every
 transition is one ``BEGIN IMMEDIATE`` transaction, so concurrent writers from several
 processes serialize on the SQLite write lock instead of failing on lock upgrade. Opening a
-journal upgrades it to the head of its chain first, under a ``<db>.migrate.lock`` file lock.
+journal upgrades it to the head of its chain first, under a ``<db>.migrate.lock`` file lock
+(a new, empty dump journal is created at head under SQLite's write lock alone).
 
 The state machines are the tables of :mod:`tqtx.states`; every move goes through
 :func:`tqtx.states.check`: repeating a transition into the state a row is already in is a

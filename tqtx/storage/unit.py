@@ -171,10 +171,11 @@ class StorageUnit(RedoRestore, UnitAttach):
         if fields_of and not 0 <= min(fields_of) <= max(fields_of) < len(body["field_sets"]):
             raise ValueError(f"dump {body['dump_id']}: a field-set number outside the "
                              f"{len(body['field_sets'])} field sets given")
-        rows = list(map(self.rows.get, indexes))
-        if None in rows:
-            idx = indexes[rows.index(None)]
-            raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
+        try:
+            rows = list(map(self.rows.__getitem__, indexes))
+        except KeyError as exc:
+            raise KeyError(f"unit {self.unit_id} holds no row at global index "
+                           f"{exc.args[0]}") from None
         # three parallel columns, no tuple per row: nothing here for the collector to count
         job = DumpJob(body["dump_id"], (indexes, rows, fields_of), body["field_sets"],
                       self.unit_id)

@@ -190,7 +190,8 @@ class Pending:
 
 
 def call_many(calls: list[tuple], *, timeout: float | None = None,
-              raise_first: bool = True, watch: Callable[[], None] | None = None) -> list:
+              raise_first: bool = True, watch: Callable[[], None] | None = None,
+              after_send: Callable[[], None] | None = None) -> list:
     """Send every request at once, then wait on all their sockets at once.
 
     ``calls`` are ``(peer, op, body[, rid])``; a fixed ``rid`` makes a retry idempotent.
@@ -200,7 +201,10 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
     every request before raising the first failure, so a caller's cleanup never races a
     peer still working; with ``raise_first=False`` exceptions are returned in place of
     results. ``watch`` runs about once a second while waiting; if it raises, waiting
-    stops, the unanswered peers are reset and its exception propagates.
+    stops, the unanswered peers are reset and its exception propagates. ``after_send`` runs
+    once every request is sent, before waiting (the caller's own work while the peers work;
+    the replies queue meanwhile); an Exception from it is raised once every request is
+    answered, in place of the results.
     """
     results: list = [None] * len(calls)
     waiting: dict[tuple, list] = {}  # (id(peer), rid) -> [peer, op, sent_at, deadline, positions]
@@ -215,6 +219,12 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
         entry = waiting.setdefault((id(peer), rid), [peer, op, peer._sent_at, 0.0, []])
         entry[3] = peer._sent_at + t
         entry[4].append(pos)
+    own_error = None
+    if after_send is not None:
+        try:
+            after_send()
+        except Exception as exc:  # noqa: BLE001 -- raised once the peers have answered
+            own_error = exc
     peers = {id(w[0]): w[0] for w in waiting.values()}
     poller = zmq.Poller()
     for peer in peers.values():
@@ -278,6 +288,8 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
     finally:
         for peer in broken.values():
             peer.reset()
+    if own_error is not None:
+        raise own_error
     if raise_first:
         for r in results:
             if isinstance(r, BaseException):

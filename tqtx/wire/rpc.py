@@ -118,6 +118,7 @@ class Server:
         self._pending: dict[str, bool] = {}
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # call_soon() work for the loop
+        self._after_reply: list[Callable[[], None]] = []
         self._wake_addr = f"inproc://tqtx-wake-{uuid.uuid4().hex}"
         self._wake = self.context.socket(zmq.PULL)
         self._wake.bind(self._wake_addr)
@@ -141,6 +142,21 @@ class Server:
         turn); never runs once the loop has stopped. An exception in ``fn`` is logged."""
         self._calls.put(fn)
         self._wake_up()
+
+    def after_reply(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` (loop thread, from a handler) once the current request's reply is
+        sent and before the next request is read: work whose result the caller does not
+        wait for, which still sees the state exactly as the handler did. An exception in
+        ``fn`` is logged."""
+        self._after_reply.append(fn)
+
+    def _run_after_reply(self) -> None:
+        fns, self._after_reply = self._after_reply, []
+        for fn in fns:
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: after-reply call %r failed", self.name, fn)
 
     def _run_calls(self) -> None:
         while not self._calls.empty():
@@ -296,6 +312,8 @@ class Server:
                         break
                     self.current_ident = msg[0].bytes
                     self._handle([msg[0].bytes, *msg[1:]])
+                    if self._after_reply:
+                        self._run_after_reply()
                     msg = None  # else the last request's frames stay alive until the next one
         self.socket.close(linger=1000)
         self._wake.close(linger=0)
