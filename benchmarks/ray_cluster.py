@@ -92,6 +92,10 @@ def main(argv=None) -> int:
 
     work = tempfile.mkdtemp(prefix="tqtx-raybench-", dir=a.dir)
     ray_tmp = tempfile.mkdtemp(prefix="tqtx-ray-", dir="/tmp")
+    # Ray's Cluster writes its "current cluster" address file under <RAY_TMPDIR>/ray (by
+    # default /tmp/ray, which may not exist, or be another Ray's): keep it in ours.
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    os.mkdir(os.path.join(ray_tmp, "ray"))
     buf = make_buffer(a.samples, int(a.mb * 2**20))
     mib = payload_bytes(buf) / 2**20
     times = {kind: {k: [] for k in VARIANTS} for kind in ("embedded", "ray")}

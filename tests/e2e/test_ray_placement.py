@@ -80,10 +80,17 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="tqtx-ray-", dir="/tmp")  # short: Ray's socket paths
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"head": 1}, "include_dashboard": False,
-        "node_ip_address": LOOPBACK, "temp_dir": temp_dir})
+    # Ray's Cluster writes a "current cluster" address file under <RAY_TMPDIR>/ray whatever
+    # the head's temp_dir (/tmp/ray by default, which a fresh machine lacks and a user's Ray
+    # owns): ours goes into this test's own directory.
+    old_ray_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.mkdir(os.path.join(temp_dir, "ray"))
+    c = None
     try:
+        c = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {"head": 1}, "include_dashboard": False,
+            "node_ip_address": LOOPBACK, "temp_dir": temp_dir})
         nodes = {"n1": c.add_node(num_cpus=2, resources={"storage": 1, "n1": 1},
                                   node_ip_address=LOOPBACK),
                  "n2": c.add_node(num_cpus=2, resources={"storage": 1, "n2": 1},
@@ -99,8 +106,13 @@ def cluster():
     finally:
         tq.close()
         ray.shutdown()
-        c.shutdown()
+        if c is not None:
+            c.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if old_ray_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_ray_tmpdir
 
 
 @pytest.fixture
