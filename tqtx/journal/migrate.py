@@ -12,6 +12,7 @@ import importlib.resources
 import os
 import sqlite3
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,10 +58,28 @@ def _configure(dbapi_conn, wal: bool) -> None:
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    cur.execute(f"PRAGMA journal_mode={'WAL' if wal else 'PERSIST'}")
+    _set_journal_mode(cur, "WAL" if wal else "PERSIST")
     cur.execute("PRAGMA synchronous=FULL")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+
+
+def _set_journal_mode(cur, mode: str) -> None:
+    """``PRAGMA journal_mode``, retried while another connection holds the lock it needs:
+    SQLite answers "database is locked" at once there instead of waiting out busy_timeout
+    (seen with three processes opening one new WAL journal), so it is retried here, with
+    a growing pause, for at most that timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    pause = 0.001
+    while True:
+        try:
+            cur.execute(f"PRAGMA journal_mode={mode}")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class PlainConnection:
