@@ -198,8 +198,17 @@ def _stamped_revision(conn) -> str | None:
 
 
 def _is_empty(conn) -> bool:
+    """No table in the database (``conn``: an engine's connection or a PlainConnection)."""
     return conn.exec_driver_sql(
-        "SELECT count(*) FROM sqlite_master WHERE type='table'").scalar() == 0
+        "SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[0] == 0
+
+
+def _create_head(conn, chain: str) -> None:
+    """Create ``chain``'s head schema and stamp it, inside ``conn``'s open transaction."""
+    for stmt in head_schema_sql(chain):
+        conn.exec_driver_sql(stmt)
+    conn.exec_driver_sql("INSERT INTO alembic_version (version_num) VALUES (?)",
+                         (HEADS[chain],))
 
 
 def _metadata(chain: str):
@@ -264,10 +273,7 @@ def upgrade_engine(engine: Engine, db_path: str | os.PathLike, chain: str,
             if before == target_id:
                 return before, before
             if before is None and revision == "head" and _is_empty(conn):
-                for stmt in head_schema_sql(chain):
-                    conn.exec_driver_sql(stmt)
-                conn.exec_driver_sql("INSERT INTO alembic_version (version_num) VALUES (?)",
-                                     (target_id,))
+                _create_head(conn, chain)
                 created = True
             else:
                 from alembic import command
@@ -314,14 +320,11 @@ def create_head_plain(conn: PlainConnection, chain: str) -> bool:
 
     A dump to a new directory creates its journal this way: no SQLAlchemy engine, no
     ``.migrate.lock`` file, a few plain statements."""
-    head = HEADS[chain]
-    with conn.transaction() as run:
+    with conn.transaction():
         stamp = _stamped_revision(conn)
-        if stamp == head:
+        if stamp == HEADS[chain]:
             return True
-        if stamp is not None or run("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+        if stamp is not None or not _is_empty(conn):
             return False
-        for stmt in head_schema_sql(chain):
-            run(stmt)
-        run("INSERT INTO alembic_version (version_num) VALUES (?)", (head,))
+        _create_head(conn, chain)
     return True
