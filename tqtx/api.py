@@ -360,7 +360,8 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     client = get_client()
     lenient = _compat == "transferqueue"
     found, columns, schemas = client.get_rows(keys, partition_id, select_fields,
-                                              lenient=lenient, direct=True)
+                                              lenient=lenient, direct=True,
+                                              alloc=tensors.result_buffer)
     try:
         if not lenient:
             return tensors.tensordict_from_columns(columns, schemas, len(keys))

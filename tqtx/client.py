@@ -4,48 +4,33 @@ from __future__ import annotations
 import os
 import threading
 import time
-from math import prod
 
-from . import faults
+from . import faults, result_layout
 from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, TqtxError
 from .wire import shm
 from .wire.peer import CONNECT_TIMEOUT, Peer, call_many
 from .wire.rpc import DEFAULT_TIMEOUT, new_id
-from .wire.values import DTYPE_SIZES, RawTensor
+from .wire.columns import unpack_column  # noqa: F401  (re-exported)
 from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
 
 
 class Column(list):
     """Per-row values of one field, plus the packed buffers they view (``chunks``:
-    ``[(positions, RawTensor of bytes)]``) so a dense column can be built in one copy."""
+    ``[(positions, RawTensor of bytes)]`` or reply files) so a dense column can be built in
+    one copy, or the ``plan`` whose buffer holds every row (a same-host get copied into
+    this process; the values are None)."""
 
     def __init__(self, values):
         super().__init__(values)
         self.chunks: list = []
-
-
-def unpack_column(col: dict) -> list:
-    """Per-row values of a GET_ROWS reply column (views into a packed buffer, no copy)."""
-    if "v" in col:
-        return col["v"]
-    dtype, shapes, buf = col["p"]
-    view = memoryview(buf.data)
-    size = DTYPE_SIZES[dtype]
-    out, at = [], 0
-    new = RawTensor.of  # per row and field: the checking constructor cost 0.04-0.12 s per 30k
-    for shape in shapes:
-        shape = tuple(shape)
-        n = prod(shape) * size
-        out.append(new(dtype, shape, view[at:at + n]))
-        at += n
-    if at != view.nbytes:
-        raise ValueError(f"packed column of {view.nbytes} bytes does not match its "
-                         f"{len(shapes)} row shapes ({at} bytes)")
-    return out
+        self.plan = None
 
 
 # Unit requests that may be sent again, to a unit's new address, after it died.
-IDEMPOTENT_UNIT_OPS = frozenset({"GET_ROWS", "GET_STATS", "STATS", "PING"})
+IDEMPOTENT_UNIT_OPS = frozenset({"GET_ROWS", "GET_INTO", "GET_STATS", "STATS", "PING"})
+# Same-host gets whose rows changed between their two steps are asked again this often,
+# then once more with every column in messages.
+INTO_ATTEMPTS = 3
 
 CONTROLLER_HINT = ("Restart the controller (or the whole deployment); a dump or restore it "
                    "was running is settled by the next access or tqtx.recover_data_load(dump_dir)")
@@ -110,6 +95,7 @@ class Client:
         self._topology_lock = threading.Lock()
         self._inbox: shm.GetInbox | None = None
         self._inbox_tried = False
+        self.into_off: str | None = None  # why same-host gets do not copy into this process
         self.unit_generation = 0  # bumped when unit addresses change
         # client-side totals: calls, rows and bytes per kind (see client_stats)
         self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}
@@ -401,7 +387,7 @@ class Client:
         return columns, schemas
 
     def reply_inbox(self) -> "shm.GetInbox | None":
-        """This client's same-host reply directory (made on first use), or None if there
+        """This client's same-host probe directory (made on first use), or None if there
         is no RAM file system to make it in (``TQTX_SHM_DIR``)."""
         with self._peers_lock:
             if self._inbox is not None and self._inbox.pid != os.getpid():
@@ -416,12 +402,15 @@ class Client:
             return self._inbox
 
     def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False,
-                 direct=False):
+                 direct=False, alloc=None):
         """(keys found, columns, schemas) in request order. ``lenient`` (TransferQueue's
         results): unknown keys, and fields not produced for every key, are left out.
-        ``direct``: units on this host may write tensor columns into reply files; such a
-        column's rows are then ``None`` and its ``chunks`` hold :class:`shm.FileRows`
-        (for :func:`tqtx.tensors.tensordict_from_columns`; see :meth:`reply_files`)."""
+        ``direct``: units on this host may hand tensor columns over outside the messages
+        (see :mod:`tqtx.wire.shm`), such a column's rows are then ``None``: with ``alloc``
+        (see :meth:`tqtx.result_layout.ColumnPlan.open`) and where the kernel allows it,
+        they copy them into buffers it makes (the column's ``plan`` holds them), else they
+        write reply files (its ``chunks`` hold :class:`shm.FileRows`; see
+        :meth:`reply_files`). For :func:`tqtx.tensors.tensordict_from_columns`."""
         body = {"partition_id": pid, "keys": keys, "select_fields": select_fields}
         if lenient:
             body["lenient"] = True
@@ -430,56 +419,74 @@ class Client:
         keys = meta.get("keys", keys)
         fields, indexes = meta["fields"], meta["indexes"]
         columns = {f: Column([None] * len(keys)) for f in fields}
+        if not fields:
+            return keys, columns, meta["schemas"]
+        per_unit: dict[int, dict] = {}
+        positions: dict[int, list[int]] = {}
+        for pos, idx in enumerate(indexes):
+            u = idx % self.num_units
+            req = per_unit.get(u)
+            if req is None:
+                req = per_unit[u] = {"indexes": [], "fields": fields}
+            req["indexes"].append(idx)
+            positions.setdefault(u, []).append(pos)
         inbox = self.reply_inbox() if direct else None
-        hint = inbox.hint_for(new_id()) if inbox is not None else None
-        if fields:
-            per_unit: dict[int, dict] = {}
-            positions: dict[int, list[int]] = {}
-            for pos, idx in enumerate(indexes):
-                u = idx % self.num_units
-                req = per_unit.get(u)
-                if req is None:
-                    req = per_unit[u] = {"indexes": [], "fields": fields}
-                    if hint is not None:
-                        req["shm"] = hint
-                req["indexes"].append(idx)
-                positions.setdefault(u, []).append(pos)
-            peers = [self.unit(u) for u in per_unit]
-            before = sum(p.bytes_received + p.header_bytes_received for p in peers)
+        peers = [self.unit(u) for u in per_unit]
+        before = sum(p.bytes_received + p.header_bytes_received for p in peers)
+        for attempt in range(INTO_ATTEMPTS + 1):
+            into = inbox is not None and alloc is not None and attempt < INTO_ATTEMPTS \
+                and result_layout.into_usable(self)
+            hint = inbox.hint_for(new_id(), into=into) if inbox is not None else None
+            for req in per_unit.values():
+                if hint is not None:
+                    req["shm"] = hint
             try:
                 replies = self.fan_out("GET_ROWS", per_unit)
             except BaseException:
                 if hint is not None:  # units that answered may have written their files
                     inbox.discard_get(hint["get"])
                 raise
-            self.count("gets", len(keys), sum(p.bytes_received + p.header_bytes_received
-                                              for p in peers) - before)
-            files = [r["file"] for r in replies.values() if "file" in r]
-            opened = []
-            try:
-                for name in files:
-                    opened.append(shm.ReplyFile(inbox.open_reply(name)))
-            except (OSError, ValueError) as exc:
-                for f in opened:
-                    f.close()
-                raise TqtxError(f"could not open a reply file of this get: {exc}") from exc
-            finally:
-                if hint is not None:  # e.g. the file of a unit asked again after it died
-                    inbox.discard_get(hint["get"])
-            opened = dict(zip(files, opened))
-            for u, reply in replies.items():
-                pos = positions[u]
-                for f, col in zip(fields, reply["columns"]):
-                    out = columns[f]
-                    if "s" in col:
-                        dtype, shapes, offset = col["s"]
-                        out.chunks.append((pos, shm.FileRows(dtype, shapes,
-                                                             opened[reply["file"]], offset)))
-                        continue
-                    for p, v in zip(pos, unpack_column(col)):
-                        out[p] = v
-                    if "p" in col:
-                        out.chunks.append((pos, col["p"][2]))
+            got = result_layout.get_into(self, per_unit, positions, replies, len(keys),
+                                         alloc) if into else (replies, [None] * len(fields))
+            if got is not None:
+                replies, plans = got
+                break
+        self.count("gets", len(keys), sum(p.bytes_received + p.header_bytes_received
+                                          for p in peers) - before)
+        files = [r["file"] for r in replies.values() if "file" in r]
+        opened = []
+        try:
+            for name in files:
+                opened.append(shm.ReplyFile(inbox.open_reply(name)))
+        except (OSError, ValueError) as exc:
+            for f in opened:
+                f.close()
+            raise TqtxError(f"could not open a reply file of this get: {exc}") from exc
+        finally:
+            if hint is not None:  # e.g. the file of a unit asked again after it died
+                inbox.discard_get(hint["get"])
+        opened = dict(zip(files, opened))
+        for f, plan in zip(fields, plans):
+            columns[f].plan = plan
+        for u, reply in replies.items():
+            pos = positions[u]
+            for f, col, plan in zip(fields, reply["columns"], plans):
+                if "i" in col:  # the unit copied these rows into the plan's buffer
+                    continue
+                out = columns[f]
+                if "s" in col:
+                    dtype, shapes, offset = col["s"]
+                    out.chunks.append((pos, shm.FileRows(dtype, shapes,
+                                                         opened[reply["file"]], offset)))
+                    continue
+                values = unpack_column(col)
+                if plan is not None:
+                    plan.fill(pos, values)
+                    continue
+                for p, v in zip(pos, values):
+                    out[p] = v
+                if "p" in col:
+                    out.chunks.append((pos, col["p"][2]))
         return keys, columns, meta["schemas"]
 
     @staticmethod

@@ -252,6 +252,25 @@ def _scatter_packed(out: torch.Tensor, values) -> bool:
     return True
 
 
+def result_buffer(nbytes: int):
+    """A fresh, untouched byte tensor for units to copy a get's rows into (see
+    :meth:`tqtx.result_layout.ColumnPlan.open`): (tensor, address, numpy view)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return t, t.data_ptr(), t.numpy()
+
+
+def _from_plan(plan):
+    """The column whose rows the units copied into ``plan``'s buffer: a dense tensor or a
+    jagged nested tensor over that buffer, without a copy."""
+    flat = plan.memory.view(_TORCH_DTYPES[plan.dtype])
+    if plan.shape is not None:
+        return flat.view(len(plan.nbytes), *plan.shape)
+    values = flat.view(-1, *plan.rest)
+    offsets = torch.zeros(len(plan.lengths) + 1, dtype=torch.int64)
+    torch.cumsum(torch.from_numpy(plan.lengths), 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
 def _read_file_rows(values) -> None:
     """Turn the rows of ``values`` that are in reply files into RawTensors of their own."""
     keep = []
@@ -375,6 +394,9 @@ def close_files_later(files: list) -> None:
 
 def assemble_column(values: list, schema: dict):
     """Build a batch column: dense tensor, jagged nested tensor or NonTensorStack."""
+    plan = getattr(values, "plan", None)
+    if plan is not None:
+        return _from_plan(plan)
     files = [c for c in getattr(values, "chunks", ()) if isinstance(c[1], shm.FileRows)]
     if files:
         col = _assemble_direct(values, files)

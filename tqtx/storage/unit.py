@@ -27,7 +27,7 @@ from .attach import UnitAttach
 from .dump_job import DumpJob
 from .memory import free_bytes, own_small_frames
 from .redo import RedoRestore
-from .replies import reply_columns
+from .replies import into_reply, reply_columns
 
 log = logging.getLogger("tqtx.unit")
 
@@ -56,7 +56,8 @@ class StorageUnit(RedoRestore, UnitAttach):
         s = self.server
         for op, fn, mutating in [
             ("PING", self.ping, False), ("PUT_ROWS", self.put_rows, True),
-            ("GET_ROWS", self.get_rows, False), ("DROP_ROWS", self.drop_rows, True),
+            ("GET_ROWS", self.get_rows, False), ("GET_INTO", self.get_into, False),
+            ("DROP_ROWS", self.drop_rows, True),
             ("DUMP_ROWS", self.dump_rows, True), ("DUMP_SNAPSHOT", self.dump_snapshot, True),
             ("DUMP_WAIT", self.dump_wait, False), ("DUMP_CANCEL", self.dump_cancel, False),
             ("LOAD_ROWS", self.load_rows, True),
@@ -124,6 +125,18 @@ class StorageUnit(RedoRestore, UnitAttach):
         return {"rows": len(body["rows"]), "bytes": nbytes}
 
     def get_rows(self, body, req):
+        return reply_columns(self._columns(body), body.get("shm"), self.reply_files)
+
+    def get_into(self, body, req):
+        """The second step of a same-host get (see :mod:`tqtx.wire.shm`): the tensor
+        columns written into the client's result files, the rest in the reply."""
+        if len(body.get("into") or ()) != len(body["fields"]):
+            raise ValueError(f"GET_INTO: {len(body.get('into') or ())} targets for "
+                             f"{len(body['fields'])} fields")
+        return into_reply(self._columns(body), body, self.reply_files)
+
+    def _columns(self, body) -> list[list]:
+        """Per field of ``body["fields"]``, the values of the rows at ``body["indexes"]``."""
         fields = body["fields"]
         out = []
         rows = self.rows
@@ -135,8 +148,7 @@ class StorageUnit(RedoRestore, UnitAttach):
                 out.append([row[f] for f in fields])
             except KeyError as exc:
                 raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc}") from None
-        return reply_columns([[r[j] for r in out] for j in range(len(fields))],
-                             body.get("shm"), self.reply_files)
+        return [[r[j] for r in out] for j in range(len(fields))]
 
     def drop_rows(self, body, req):
         n = freed = 0
@@ -455,6 +467,7 @@ class StorageUnit(RedoRestore, UnitAttach):
                 "staged_restores": list(self.staging), "open_dumps": list(self.dump_jobs),
                 "metrics_enabled": m.enabled,
                 "reply_files": self.reply_files.files,
+                "result_copies": self.reply_files.copies,
                 "ops": m.ops_snapshot(), "totals": m.totals_snapshot(),
                 # malloc's free bytes (resident or handed back) and how often it trimmed
                 "malloc_free_bytes": free_bytes(),

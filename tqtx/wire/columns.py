@@ -1,9 +1,13 @@
-"""Integer columns as raw little-endian int64 bytes: per-row metadata (global indexes,
-field-set numbers) crosses the wire without per-element msgpack work on either side."""
+"""Columns on the wire: integer columns as raw little-endian int64 bytes (per-row metadata,
+global indexes and field-set numbers, crosses without per-element msgpack work on either
+side), and the rows of a GET_ROWS reply column."""
 from __future__ import annotations
 
 import sys
 from array import array
+from math import prod
+
+from .values import DTYPE_SIZES, RawTensor
 
 _SWAP = sys.byteorder != "little"
 NUMPY_DTYPE = "<i8"  # the same layout, for callers that hold the column as a numpy array
@@ -27,4 +31,24 @@ def unpack_int64(column) -> "array | list":
     out.frombytes(column)
     if _SWAP:
         out.byteswap()
+    return out
+
+
+def unpack_column(col: dict) -> list:
+    """Per-row values of a GET_ROWS reply column (views into a packed buffer, no copy)."""
+    if "v" in col:
+        return col["v"]
+    dtype, shapes, buf = col["p"]
+    view = memoryview(buf.data)
+    size = DTYPE_SIZES[dtype]
+    out, at = [], 0
+    new = RawTensor.of  # per row and field: the checking constructor cost 0.04-0.12 s per 30k
+    for shape in shapes:
+        shape = tuple(shape)
+        n = prod(shape) * size
+        out.append(new(dtype, shape, view[at:at + n]))
+        at += n
+    if at != view.nbytes:
+        raise ValueError(f"packed column of {view.nbytes} bytes does not match its "
+                         f"{len(shapes)} row shapes ({at} bytes)")
     return out

@@ -11,6 +11,18 @@ result tensors: the result is the client's own copy, so a later overwrite on the
 changes nothing and no unit memory is pinned. A unit that cannot (other host, no
 ``/dev/shm``, a full file system) answers with frames as before.
 
+Faster still, and preferred where the kernel allows it (:mod:`tqtx.wire.vmcopy`): a unit
+whose share holds at least ``MIN_BYTES`` of tensor columns answers a ``GET_ROWS`` whose
+hint says ``into`` with the columns' dtypes and row shapes only (the *layout*); the client
+lays the rows out in request order, allocates each tensor column's result (fresh memory of
+its own) and sends ``GET_INTO`` with where each of the unit's rows goes; the unit copies
+its rows there with ``process_vm_writev`` (:meth:`ReplyFiles.write_into`), straight from
+its row buffers. Each byte is then copied once, by the units in parallel, where reply
+files copy it twice (into the file, out of it). A unit writes only into the process that
+made the inbox it proved (the pid and start time in the inbox's name). Where the kernel
+refuses (Yama's ``ptrace_scope`` >= 1, a seccomp profile), the client goes back to reply
+files for good.
+
 Files of a client that died in the middle of a get stay in its directory; the next
 client on the host removes directories whose pid is gone, and only those that carry
 this module's marker file and belong to the same user.
@@ -25,6 +37,8 @@ import threading
 
 from .. import fsutil
 from ..pids import process_alive, process_started
+from . import vmcopy
+from .columns import unpack_int64
 
 log = logging.getLogger("tqtx.shm")
 
@@ -75,10 +89,14 @@ class GetInbox:
         os.unlink(path)
         return fd
 
-    def hint_for(self, get_id: str) -> dict:
+    def hint_for(self, get_id: str, *, into: bool = False) -> dict:
         """What a GET_ROWS request carries: the inbox, its token and the get's ID (which
-        starts the names of the get's files)."""
-        return {"dir": self.dir, "token": self.token, "get": get_id}
+        starts the names of the get's files); ``into``: the client takes layouts and
+        ``GET_INTO`` (see the module's docstring)."""
+        hint = {"dir": self.dir, "token": self.token, "get": get_id}
+        if into:
+            hint["into"] = True
+        return hint
 
     def discard_get(self, get_id: str) -> None:
         """Remove the files of get ``get_id`` that are still there (not opened: its get
@@ -128,6 +146,14 @@ def sweep_stale(root: str) -> list[str]:
     return removed
 
 
+def inbox_owner(hint) -> tuple[int, str] | None:
+    """(pid, start time) of the process that made the inbox ``hint`` names, from its name."""
+    parts = os.path.basename(str(hint.get("dir", "")))[len(PREFIX):].split("-")
+    if len(parts) != 3 or not parts[0].isdigit():
+        return None
+    return int(parts[0]), parts[1]
+
+
 class ReplyFile:
     """An open, already unlinked reply file; its memory is freed when it is closed."""
 
@@ -162,6 +188,7 @@ class ReplyFiles:
         self._ok: dict[tuple[str, str], bool] = {}
         self._lock = threading.Lock()
         self.files = 0
+        self.copies = 0  # GET_INTO columns copied into a client (STATS: "result_copies")
 
     def usable(self, hint) -> bool:
         """True if ``hint`` names an inbox this process can see (same host and mount
@@ -229,3 +256,32 @@ class ReplyFiles:
         os.close(fd)
         self.files += 1
         return name
+
+    def write_into(self, hint: dict, target, rows: list) -> None:
+        """Copy ``rows`` (contiguous byte buffers) into the memory ``target``
+        (``[address, size, offsets]``, offsets packed int64, one per row) names in the
+        process that made ``hint``'s inbox. OSError if the inbox is not proven or the
+        kernel refuses, ValueError for a malformed target or a row outside it."""
+        try:
+            address, size, offsets = target
+            starts = unpack_int64(offsets)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed GET_INTO target: {exc}") from None
+        if not all(type(x) is int and x > 0 for x in (address, size)):
+            raise ValueError(f"malformed GET_INTO target {address!r}, {size!r}")
+        if len(starts) != len(rows):
+            raise ValueError(f"GET_INTO: {len(starts)} offsets for {len(rows)} rows")
+        owner = inbox_owner(hint)
+        if owner is None or not self.usable(hint) or not process_alive(*owner):
+            raise OSError(f"unit {self.unit_id}: no proven client process for inbox "
+                          f"{hint.get('dir')!r}")
+        todo = []
+        for at, buf in zip(starts, rows):
+            n = len(buf)
+            if n:
+                if at < 0 or at + n > size:
+                    raise ValueError(f"GET_INTO: a row of {n} bytes at {at} is outside the "
+                                     f"{size}-byte result")
+                todo.append((at, buf))
+        vmcopy.write(owner[0], address, todo)
+        self.copies += 1
