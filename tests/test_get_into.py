@@ -54,7 +54,9 @@ class _Units:
         self.refuse, self.change = set(refuse), set(change)
         self.files = {u: shm.ReplyFiles(u) for u in by_unit}
         self.into_off = None
+        self.unsettled_results = []
         self.sent = []
+        self.fail = None
 
     def get_rows(self, per_unit):
         return {u: reply_columns([self.by_unit[u]], per_unit[u]["shm"], self.files[u])
@@ -63,6 +65,8 @@ class _Units:
     def fan_out(self, op, bodies):
         assert op == "GET_INTO"
         self.sent.append(bodies)
+        if self.fail is not None:
+            raise self.fail
         out = {}
         for u, body in bodies.items():
             if u in self.refuse:
@@ -140,6 +144,19 @@ def test_rows_changed_between_the_steps_make_the_client_ask_again(inbox, monkeyp
     units = _Units(by_unit, inbox, change={1})
     assert _get(units, positions, len(rows)) is None
     assert units.files[0].copies == 1 and units.files[1].copies == 0
+
+
+def test_a_failed_second_step_keeps_its_buffers_for_late_copies(inbox, monkeypatch):
+    """A unit that timed out may still copy later: the buffers it was given stay allocated."""
+    monkeypatch.setattr(shm, "MIN_BYTES", 0)
+    rows = _rows("dense", 6)
+    positions, by_unit = _split(rows, 2)
+    units = _Units(by_unit, inbox)
+    units.fail = TimeoutError("unit 1 did not answer")
+    with pytest.raises(TimeoutError):
+        _get(units, positions, len(rows))
+    (kept,) = units.unsettled_results
+    assert isinstance(kept, torch.Tensor) and kept.numel() == 6 * 12 * 4
 
 
 def test_a_refused_copy_sends_the_rows_and_turns_the_path_off(inbox, monkeypatch):

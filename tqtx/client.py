@@ -96,6 +96,7 @@ class Client:
         self._inbox: shm.GetInbox | None = None
         self._inbox_tried = False
         self.into_off: str | None = None  # why same-host gets do not copy into this process
+        self.unsettled_results: list = []  # buffers of failed GET_INTOs (see result_layout)
         self.unit_generation = 0  # bumped when unit addresses change
         # client-side totals: calls, rows and bytes per kind (see client_stats)
         self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}

@@ -182,9 +182,9 @@ def get_into(client, per_unit: dict, positions: dict, replies: dict, n: int, all
                     p.close()
             return None
     except BaseException:
-        for p in plans:
-            if p is not None:
-                p.close()
+        # A unit that timed out may still be copying: its buffers are kept, never reused.
+        client.unsettled_results.extend(p.memory for p in plans
+                                        if p is not None and p.memory is not None)
         raise
     failed = [r["into_failed"] for r in second.values() if "into_failed" in r]
     if failed and client.into_off is None:
