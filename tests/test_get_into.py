@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tqtx import result_layout, tensors
+from tqtx import fsutil, result_layout, tensors
 from tqtx.client import Column
 from tqtx.storage.replies import into_reply, reply_columns
 from tqtx.wire import shm, vmcopy
@@ -231,7 +231,7 @@ def test_write_into_checks_its_target_and_the_inbox(inbox, tmp_path):
 
 
 def test_vmcopy_moves_more_rows_than_one_call_takes():
-    rows = [os.urandom(1 + (i * 37) % 300) for i in range(2 * vmcopy.IOV_MAX + 5)]
+    rows = [os.urandom(1 + (i * 37) % 300) for i in range(2 * fsutil.IOV_MAX + 5)]
     starts = np.cumsum([0] + [len(r) for r in rows[:-1]]).tolist()
     out = torch.zeros(sum(map(len, rows)), dtype=torch.uint8)
     vmcopy.write(os.getpid(), out.data_ptr(), list(zip(starts, rows)))

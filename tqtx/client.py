@@ -438,8 +438,8 @@ class Client:
             into = inbox is not None and alloc is not None and attempt < INTO_ATTEMPTS \
                 and result_layout.into_usable(self)
             hint = inbox.hint_for(new_id(), into=into) if inbox is not None else None
-            for req in per_unit.values():
-                if hint is not None:
+            if hint is not None:
+                for req in per_unit.values():
                     req["shm"] = hint
             try:
                 replies = self.fan_out("GET_ROWS", per_unit)

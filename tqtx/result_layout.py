@@ -41,12 +41,12 @@ class ColumnPlan:
         self.starts = np.cumsum(self.nbytes) - self.nbytes
         self.total = int(self.nbytes.sum())
         self.memory = None  # the result buffer (see open)
-        self._view = None
+        self.view = None  # a writable numpy byte view of it
 
     def open(self, alloc) -> None:
         """Allocate the result: ``alloc(nbytes)`` returns ``(buffer, address, writable
         byte view)``; nothing is written into it here (its pages stay untouched)."""
-        self.memory, self.address, self._view = alloc(self.total)
+        self.memory, self.address, self.view = alloc(self.total)
 
     def target(self, positions) -> list:
         """The ``GET_INTO`` target for the rows at ``positions`` (one unit's rows)."""
@@ -55,7 +55,7 @@ class ColumnPlan:
 
     def fill(self, positions, values) -> None:
         """Copy rows that came in a message (``values``, RawTensors) to their places."""
-        arr = np.asarray(self._view)
+        arr = np.asarray(self.view)
         for p, v in zip(positions, values):
             n = int(self.nbytes[p])
             if n:
@@ -64,7 +64,7 @@ class ColumnPlan:
 
     def close(self) -> None:
         """Let go of the memory (a get that failed before its result was built)."""
-        self.memory = self._view = None
+        self.memory = self.view = None
 
 
 def _tensor_rows(values, dtype):
@@ -98,7 +98,7 @@ def plan(n_fields: int, n: int, positions: dict, replies: dict, unpacked: dict) 
                 break
             parts.append((positions[u], shapes))
         else:
-            table = _shape_table(parts, n) if dtype in DTYPE_SIZES else None
+            table = shape_table(parts, n) if dtype in DTYPE_SIZES else None
             if table is not None:
                 col = ColumnPlan(dtype, table)
                 if col.total:
@@ -112,9 +112,10 @@ def _first_dtype(values):
     return values[0].dtype if values and type(values[0]) is RawTensor else None
 
 
-def _shape_table(parts, n: int):
-    """Every row's shape as one (n, rank) int64 array in request order, or None if ranks
-    differ, some row is missing, or the rows make neither a dense nor a jagged tensor."""
+def shape_table(parts, n: int):
+    """Every row's shape as one (n, rank) int64 array in request order, from ``parts``
+    (``[(positions, shapes)]``), or None if ranks differ, some row is missing or given
+    twice, or the rows make neither a dense nor a jagged tensor (see :class:`ColumnPlan`)."""
     table, seen = None, np.zeros(n, dtype=np.int64)
     for pos, shapes in parts:
         if not len(pos):

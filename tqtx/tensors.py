@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from . import fsutil
+from . import fsutil, result_layout
 from .validate import check_utf8
 from .wire import shm
 from .wire.values import DTYPE_SIZES, RawTensor
@@ -265,7 +265,7 @@ def _from_plan(plan):
     flat = plan.memory.view(_TORCH_DTYPES[plan.dtype])
     if plan.shape is not None:
         return flat.view(len(plan.nbytes), *plan.shape)
-    values = flat.view(-1, *plan.rest)
+    values = flat.view(int(plan.lengths.sum()), *plan.rest)
     offsets = torch.zeros(len(plan.lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.from_numpy(plan.lengths), 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(values, offsets)
@@ -308,81 +308,39 @@ def _reader_pool():
         return _pool
 
 
-def _shape_table(values, files, dtype):
-    """Every row's shape as one (rows, rank) int64 array in request order, or None if the
-    rows differ in dtype or rank or some row is missing."""
+def _assemble_direct(values, files):
+    """A tensor column some of whose rows are in reply files, read with ``preadv``
+    straight into the result (laid out as for a get copied in: :mod:`tqtx.result_layout`);
+    None if the rows do not make one dense or jagged tensor of one dtype."""
+    n, dtype = len(values), files[0][1].dtype
     parts = []
     for pos, src in files:
         if src.dtype != dtype:
             return None
         parts.append((pos, src.shapes))
     mem = [i for i, v in enumerate(values) if v is not None]
-    if mem:
-        if any(type(values[i]) is not RawTensor or values[i].dtype != dtype for i in mem):
-            return None
-        parts.append((mem, [values[i].shape for i in mem]))
-    n, rank = len(values), None
-    table = None
-    seen = np.zeros(n, dtype=np.int64)
-    for pos, shapes in parts:
-        try:
-            arr = np.asarray(shapes, dtype=np.int64).reshape(len(pos), -1)
-        except ValueError:  # rows of different ranks
-            return None
-        if rank is None:
-            rank = arr.shape[1]
-            table = np.empty((n, rank), dtype=np.int64)
-        elif arr.shape[1] != rank:
-            return None
-        idx = np.asarray(pos, dtype=np.int64)
-        table[idx] = arr
-        seen[idx] += 1
-    return table if table is not None and bool((seen == 1).all()) else None
-
-
-def _assemble_direct(values, files):
-    """A tensor column some of whose rows are in reply files, read with ``preadv``
-    straight into the result (dense, or the jagged values buffer); None if the rows do
-    not make one dense or jagged tensor of one dtype."""
-    n, dtype = len(values), files[0][1].dtype
-    table = _shape_table(values, files, dtype)
+    if any(type(values[i]) is not RawTensor or values[i].dtype != dtype for i in mem):
+        return None
+    parts.append((mem, [values[i].shape for i in mem]))
+    table = result_layout.shape_table(parts, n) if dtype in _TORCH_DTYPES else None
     if table is None:
         return None
-    size, first = DTYPE_SIZES[dtype], tuple(table[0].tolist())
-    if bool((table == table[0]).all()):
-        rs = prod(first) * size
-        nbytes, starts = np.full(n, rs, dtype=np.int64), np.arange(n, dtype=np.int64) * rs
-        out = result = torch.empty((n, *first), dtype=_TORCH_DTYPES[dtype])
-    elif first and bool((table[:, 1:] == table[0, 1:]).all()):
-        lengths = table[:, 0]
-        nbytes = lengths * (prod(first[1:]) * size)
-        starts = np.cumsum(nbytes) - nbytes
-        out = torch.empty((int(lengths.sum()), *first[1:]), dtype=_TORCH_DTYPES[dtype])
-        offsets = torch.zeros(n + 1, dtype=torch.int64)
-        torch.cumsum(torch.from_numpy(lengths), 0, out=offsets[1:])
-        result = torch.nested.nested_tensor_from_jagged(out, offsets)
-    else:
-        return None
-    if out.numel() == 0:
-        return result
-    arr = np.asarray(_byte_view(out))
-    dst = memoryview(arr)
-    reads = []
-    for pos, src in files:
-        idx = np.asarray(pos, dtype=np.int64)
-        reads.append((src.file.fd, [dst[a:a + b] for a, b in
-                                    zip(starts[idx].tolist(), nbytes[idx].tolist()) if b],
-                      src.offset))
-    if len(reads) > 1 and out.numel() * out.element_size() >= _PARALLEL_BYTES:
-        list(_reader_pool().map(lambda r: fsutil.preadv_all(*r), reads))  # drops the GIL
-    else:
-        for r in reads:
-            fsutil.preadv_all(*r)
-    for i, v in enumerate(values):
-        if v is not None and nbytes[i]:
-            a = int(starts[i])
-            arr[a:a + int(nbytes[i])] = np.frombuffer(v.data, dtype=np.uint8)
-    return result
+    plan = result_layout.ColumnPlan(dtype, table)
+    plan.open(result_buffer)
+    if plan.total:
+        dst = memoryview(plan.view)
+        reads = []
+        for pos, src in files:
+            idx = np.asarray(pos, dtype=np.int64)
+            reads.append((src.file.fd, [dst[a:a + b] for a, b in zip(
+                plan.starts[idx].tolist(), plan.nbytes[idx].tolist()) if b], src.offset))
+        if len(reads) > 1 and plan.total >= _PARALLEL_BYTES:
+            list(_reader_pool().map(lambda r: fsutil.preadv_all(*r), reads))  # drops the GIL
+        else:
+            for r in reads:
+                fsutil.preadv_all(*r)
+        plan.fill(mem, [values[i] for i in mem])
+    return _from_plan(plan)
 
 
 def close_files_later(files: list) -> None:

@@ -129,7 +129,7 @@ class StorageUnit(RedoRestore, UnitAttach):
 
     def get_into(self, body, req):
         """The second step of a same-host get (see :mod:`tqtx.wire.shm`): the tensor
-        columns written into the client's result files, the rest in the reply."""
+        columns copied into the client's result buffers, the rest in the reply."""
         if len(body.get("into") or ()) != len(body["fields"]):
             raise ValueError(f"GET_INTO: {len(body.get('into') or ())} targets for "
                              f"{len(body['fields'])} fields")

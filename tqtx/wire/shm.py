@@ -129,13 +129,13 @@ def sweep_stale(root: str) -> list[str]:
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        parts = name[len(PREFIX):].split("-")
+        owner = _name_owner(name)
         path = os.path.join(root, name)
         try:
             st = os.lstat(path)
-            if len(parts) != 3 or not parts[0].isdigit() or st.st_uid != os.geteuid() \
+            if owner is None or st.st_uid != os.geteuid() \
                     or not os.path.isdir(path) or os.path.islink(path) \
-                    or process_alive(int(parts[0]), parts[1]):
+                    or process_alive(*owner):
                 continue
             if not os.path.isfile(os.path.join(path, PROBE)):
                 continue  # not made by this module: never touched
@@ -146,12 +146,17 @@ def sweep_stale(root: str) -> list[str]:
     return removed
 
 
-def inbox_owner(hint) -> tuple[int, str] | None:
-    """(pid, start time) of the process that made the inbox ``hint`` names, from its name."""
-    parts = os.path.basename(str(hint.get("dir", "")))[len(PREFIX):].split("-")
+def _name_owner(name: str) -> tuple[int, str] | None:
+    """(pid, start time) from an inbox directory's name (``tqtx-get-<pid>-<start>-<rnd>``)."""
+    parts = name[len(PREFIX):].split("-") if name.startswith(PREFIX) else ()
     if len(parts) != 3 or not parts[0].isdigit():
         return None
     return int(parts[0]), parts[1]
+
+
+def inbox_owner(hint) -> tuple[int, str] | None:
+    """(pid, start time) of the process that made the inbox ``hint`` names, from its name."""
+    return _name_owner(os.path.basename(str(hint.get("dir", ""))))
 
 
 class ReplyFile:
