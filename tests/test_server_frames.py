@@ -1,5 +1,5 @@
 """A server does not keep a request's frames alive once it has handled it; work a handler
-leaves for after its reply runs before the next request."""
+leaves for after its reply, and work queued with call_soon, runs before the next request."""
 from __future__ import annotations
 
 import gc
@@ -120,6 +120,34 @@ def test_after_reply_runs_before_a_request_already_queued_behind():
         assert pending_block.wait() == {"ok": True}
         assert looked.wait() == {"ok": True}
         assert changed.wait() == {"seen": [0]}  # LOOK's after-reply work ran first
+    finally:
+        server.stop()
+        thread.join(10)
+        blocker.close()
+        peer.close()
+
+
+def test_call_soon_runs_before_a_request_sent_after_it():
+    # the loop is busy inside a turn (BLOCK) when the call is queued and the next request
+    # sent, so that request is readable in the same turn, before the wake-up is polled
+    server = Server("unit-0")
+    go = threading.Event()
+    state = {"called": False}
+
+    server.add("BLOCK", lambda body, req: go.wait(10) and {"ok": True})
+    server.add("CHECK", lambda body, req: {"called": state["called"]})
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
+    thread.start()
+    blocker, peer = (Peer(server.address, f"unit 0 ({i})", timeout=30) for i in range(2))
+    try:
+        pending_block = blocker.start("BLOCK", {})
+        time.sleep(0.2)
+        server.call_soon(lambda: state.update(called=True))
+        checked = peer.start("CHECK", {})
+        time.sleep(0.2)
+        go.set()
+        assert pending_block.wait() == {"ok": True}
+        assert checked.wait() == {"called": True}
     finally:
         server.stop()
         thread.join(10)

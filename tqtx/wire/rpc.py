@@ -306,6 +306,10 @@ class Server:
                 result = error = None  # else a deferred reply (a dump's index) outlives it
             if self.socket in events:
                 for _ in range(64):
+                    if not self._calls.empty():
+                        # a call_soon made before this request was sent runs before it is
+                        # read, even when its wake-up reached the poller after the request
+                        self._run_calls()
                     try:
                         msg = recv_frames(self.socket, zmq.NOBLOCK)
                     except zmq.Again:
