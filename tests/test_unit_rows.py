@@ -1,5 +1,10 @@
-"""What a stored row costs: put rows and restored records share dtype names and shapes."""
+"""What a stored row costs: put rows and restored records share dtype names and shapes, and a
+put tensor holds its frame rather than a view of it."""
 from __future__ import annotations
+
+import gc
+
+import zmq
 
 from tqtx import format as F
 from tqtx.storage.memory import own_small_frames
@@ -24,6 +29,26 @@ def test_put_rows_share_dtype_and_shape_objects():
     # the 8000-byte frame is copied out of the receive buffer; values are unchanged
     assert type(a["c"].data) is bytes and a["c"] == RawTensor("int64", [1000], bytes(8000))
     assert a["s"] == "text" and bytes(a["b"].data) == bytes(1200)
+
+
+def test_a_stored_put_frame_is_held_without_a_view_of_it():
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://tqtx-test-unit-rows")
+    b.connect("inproc://tqtx-test-unit-rows")
+    try:
+        big = bytes(range(256)) * 256  # 64 KiB: a frame of its own, not a shared buffer
+        a.send_multipart(codec.encode({"x": RawTensor("uint8", [len(big)], big)}))
+        row = own_small_frames(codec.decode(b.recv_multipart(copy=False)))
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+    data = row["x"].data
+    assert isinstance(data, zmq.Frame) and bytes(memoryview(data)) == big
+    gc.collect()
+    # the decode's view and its managed buffer are gone: they cost ≈250 bytes a tensor
+    assert not [r for r in gc.get_referrers(data)
+                if type(r).__name__ in ("memoryview", "managedbuffer")]
 
 
 def test_restored_records_share_dtype_and_shape_objects():

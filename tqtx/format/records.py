@@ -31,6 +31,10 @@ _SMALL_PAYLOAD = 4096
 # stays the same).
 _JOIN_SMALL = 1024
 
+# A decoded field is a view of its record (no copy), but a view is an object of 184 bytes
+# that lives as long as the row: a payload no larger than that is cheaper copied out.
+_COPY_BELOW = 184
+
 _tensor_of = RawTensor.of  # skips RawTensor.__init__'s shape conversion for checked headers
 
 
@@ -155,9 +159,12 @@ def encode_record_parts(gidx: int, row: dict,
             if type(data) is bytes:
                 if len(data) != ent[1]:
                     data = _payload(value, gidx, name)[0]  # raises
-            elif type(data) is not memoryview or data.nbytes != ent[1] or data.ndim != 1 \
-                    or data.format != "B" or not data.c_contiguous:
-                data = _payload(value, gidx, name)[0]  # a 1-D byte view, or the error
+            else:
+                if type(data) is not memoryview:
+                    data = memoryview(data)  # e.g. the zmq frame a put stored
+                if data.nbytes != ent[1] or data.ndim != 1 or data.format != "B" \
+                        or not data.c_contiguous:
+                    data = _payload(value, gidx, name)[0]  # a 1-D byte view, or the error
             if ent[1] <= _SMALL_PAYLOAD:
                 small_total += ent[1]
             fields.append((ent, data))
@@ -261,7 +268,8 @@ def _range_key(r):
 
 def decode_record(buf, *, expected_gidx: int | None = None,
                   where: str = "record") -> tuple[int, dict]:
-    """Decode a record; tensor data are memoryview slices of ``buf`` (no copy).
+    """Decode a record; tensor data are memoryview slices of ``buf`` (no copy), or bytes
+    of their own for payloads of at most 184 bytes (smaller than a view).
 
     Validates magic, header length and structure, that tensor payloads exactly tile the
     payload, and the global index if ``expected_gidx`` is given. Does not check the crc.
@@ -302,8 +310,10 @@ def decode_record(buf, *, expected_gidx: int | None = None,
                 raise _bad(where, f"field {name!r} payload at {off} overlaps or leaves a gap "
                                   f"(expected {pos})")
             pos += n
-            row[name] = _tensor_of(DTYPE_NAMES[dtype], shared_shape(tuple(shape)),
-                                   view[start + off:start + pos])
+            data = view[start + off:start + pos]
+            if n <= _COPY_BELOW:
+                data = data.tobytes()
+            row[name] = _tensor_of(DTYPE_NAMES[dtype], shared_shape(tuple(shape)), data)
     if pos != payload:
         raise _bad(where, f"record length mismatch: header describes {pos} payload bytes, "
                           f"record has {payload}")

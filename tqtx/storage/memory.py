@@ -22,6 +22,8 @@ import os
 import threading
 from typing import Callable
 
+import zmq
+
 from ..wire.codec import ZMQ_RECV_BATCH
 from ..wire.values import DTYPE_NAMES, RawTensor, shared_shape
 
@@ -165,16 +167,25 @@ SHARED_RECV_LIMIT = ZMQ_RECV_BATCH
 
 def own_small_frames(values: dict) -> dict:
     """A put row's field values with every tensor frame small enough to share a ZeroMQ
-    receive buffer copied into bytes of its own (larger ones stay zero-copy), and each
-    tensor's dtype name and shape shared with the rows stored before (see share_header)."""
+    receive buffer copied into bytes of its own (larger ones stay zero-copy, holding the
+    frame itself rather than a view of it), and each tensor's dtype name and shape shared
+    with the rows stored before (see share_header)."""
     out = None
     for field, v in values.items():
         if type(v) is RawTensor:
             share_header(v)
-            if type(v.data) is memoryview and v.data.nbytes <= SHARED_RECV_LIMIT:
+            data = v.data
+            if type(data) is not memoryview:
+                continue
+            if data.nbytes <= SHARED_RECV_LIMIT:
                 if out is None:
                     out = dict(values)
                 out[field] = v.compact()
+            elif isinstance(data.obj, zmq.Frame) and data.nbytes == len(data.obj):
+                # The view and the buffer it manages are two more small objects (≈250
+                # bytes) per stored tensor; they would outlive the request only to reach
+                # the frame, whose buffer readers take as they took the view's.
+                v.data = data.obj
     return values if out is None else out
 
 

@@ -48,9 +48,10 @@ def pack_column(values: list) -> dict:
     return {"v": values}
 
 
-def _layout(columns: list[list]) -> tuple[list, int, int]:
+def _layout(columns: list[list], count: bool = True) -> tuple[list, int, int]:
     """Per column ``[dtype, shapes]`` (None for a column that is not one dtype of tensors),
-    the tensor bytes, and a digest of the whole layout (to tell a changed row later)."""
+    the tensor bytes (0 unless ``count``), and a digest of the whole layout (to tell a
+    changed row later)."""
     out, nbytes = [], 0
     for c in columns:
         dtype = _tensor_column(c)
@@ -59,7 +60,8 @@ def _layout(columns: list[list]) -> tuple[list, int, int]:
             continue
         shapes = [v.shape for v in c]
         out.append([dtype, shapes])
-        nbytes += sum(memoryview(v.data).nbytes for v in c)
+        if count:
+            nbytes += sum(memoryview(v.data).nbytes for v in c)
     return out, nbytes, hash(tuple(None if o is None else (o[0], tuple(o[1])) for o in out))
 
 
@@ -100,7 +102,7 @@ def into_reply(columns: list[list], body: dict, files: "shm.ReplyFiles") -> dict
     True}`` alone if the rows' layout is no longer the one GET_ROWS reported (a put in
     between: the client asks again). A target this unit cannot write (the kernel refused:
     ptrace restrictions) gets its column in the message, and ``"into_failed"`` says why."""
-    if _layout(columns)[2] != body.get("digest"):
+    if _layout(columns, count=False)[2] != body.get("digest"):
         return {"changed": True}
     out, failed = [], None
     for c, target in zip(columns, body["into"]):
