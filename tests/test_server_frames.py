@@ -2,6 +2,7 @@
 leaves for after its reply, and work queued with call_soon, runs before the next request."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -21,14 +22,26 @@ def _frames_alive() -> int:
                if isinstance(o, zmq.Frame) and len(o.buffer) == SIZE)
 
 
+@contextlib.contextmanager
+def _serving(server: Server, peers: int):
+    """Run ``server``'s loop in a thread; yield ``peers`` connections to it."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
+    thread.start()
+    conns = [Peer(server.address, f"{server.name} ({i})", timeout=30) for i in range(peers)]
+    try:
+        yield conns
+    finally:
+        server.stop()
+        thread.join(10)
+        for c in conns:
+            c.close()
+
+
 def test_handled_request_frames_are_released():
     server = Server("unit-0")
     seen = []
     server.add("TAKE", lambda body, req: seen.append(len(body["rows"])) or {"ok": True})
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
-    thread.start()
-    peer = Peer(server.address, "unit 0", timeout=30)
-    try:
+    with _serving(server, 1) as (peer,):
         rows = [RawTensor("uint8", (SIZE,), bytes([i]) * SIZE) for i in range(50)]
         assert peer.call("TAKE", {"rows": rows}) == {"ok": True}
         assert seen == [50]
@@ -38,10 +51,6 @@ def test_handled_request_frames_are_released():
         # the 50 tensor frames of the handled request are gone although no request came
         # after it
         assert _frames_alive() == 0
-    finally:
-        server.stop()
-        thread.join(10)
-        peer.close()
 
 
 def test_after_reply_runs_once_the_reply_is_sent_and_before_the_next_request():
@@ -66,10 +75,7 @@ def test_after_reply_runs_once_the_reply_is_sent_and_before_the_next_request():
 
     server.add("LOOK", look)
     server.add("CHANGE", change, mutating=True)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
-    thread.start()
-    peers = [Peer(server.address, f"controller {i}", timeout=30) for i in range(2)]
-    try:
+    with _serving(server, 2) as peers:
         assert peers[0].call("CHANGE", {}) == {"snapshot": None}
         # LOOK's reply arrives while its after-reply work is still waiting
         assert peers[1].call("LOOK", {}, timeout=5) == {"ok": True}
@@ -80,11 +86,6 @@ def test_after_reply_runs_once_the_reply_is_sent_and_before_the_next_request():
         # LOOK did (one change), not as the second CHANGE left it
         assert pending_change.wait() == {"snapshot": 1}
         assert log == ["change", "look", "after_reply", "change"]
-    finally:
-        server.stop()
-        thread.join(10)
-        for p in peers:
-            p.close()
 
 
 def test_after_reply_runs_before_a_request_already_queued_behind():
@@ -107,10 +108,7 @@ def test_after_reply_runs_before_a_request_already_queued_behind():
     server.add("BLOCK", block)
     server.add("LOOK", look)
     server.add("CHANGE", change, mutating=True)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
-    thread.start()
-    blocker, peer = (Peer(server.address, f"controller {i}", timeout=30) for i in range(2))
-    try:
+    with _serving(server, 2) as (blocker, peer):
         pending_block = blocker.start("BLOCK", {})
         time.sleep(0.2)
         looked = peer.start("LOOK", {})  # one connection: read in this order, in one batch
@@ -120,11 +118,6 @@ def test_after_reply_runs_before_a_request_already_queued_behind():
         assert pending_block.wait() == {"ok": True}
         assert looked.wait() == {"ok": True}
         assert changed.wait() == {"seen": [0]}  # LOOK's after-reply work ran first
-    finally:
-        server.stop()
-        thread.join(10)
-        blocker.close()
-        peer.close()
 
 
 def test_call_soon_runs_before_a_request_sent_after_it():
@@ -136,10 +129,7 @@ def test_call_soon_runs_before_a_request_sent_after_it():
 
     server.add("BLOCK", lambda body, req: go.wait(10) and {"ok": True})
     server.add("CHECK", lambda body, req: {"called": state["called"]})
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 50}, daemon=True)
-    thread.start()
-    blocker, peer = (Peer(server.address, f"unit 0 ({i})", timeout=30) for i in range(2))
-    try:
+    with _serving(server, 2) as (blocker, peer):
         pending_block = blocker.start("BLOCK", {})
         time.sleep(0.2)
         server.call_soon(lambda: state.update(called=True))
@@ -148,8 +138,3 @@ def test_call_soon_runs_before_a_request_sent_after_it():
         go.set()
         assert pending_block.wait() == {"ok": True}
         assert checked.wait() == {"called": True}
-    finally:
-        server.stop()
-        thread.join(10)
-        blocker.close()
-        peer.close()
