@@ -19,6 +19,7 @@ import math
 import os
 import threading
 import time
+from array import array
 from bisect import bisect_left
 from typing import Callable
 
@@ -33,23 +34,48 @@ BUCKETS_MS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0
 _NB = len(BUCKETS_MS) + 1
 
 
+# An OpRecord's numbers live in one preallocated array of doubles, not in int and float
+# objects: updating an attribute would leave a fresh number object alive until the next
+# request of that op, and one allocated while a unit held many rows keeps the 1 MiB
+# pymalloc arena it sits in mapped after the rows are gone (docs/performance.md, part 8).
+# Doubles count exactly up to 2**53.
+_COUNT, _ERRORS, _SECONDS, _MAX, _IN, _OUT, _BUCKET0 = range(7)
+
+
 class OpRecord:
     """Counters of one request type."""
 
-    __slots__ = ("count", "errors", "seconds", "max_seconds", "bytes_in", "bytes_out", "buckets")
+    __slots__ = ("_v",)
 
     def __init__(self):
-        self.count = 0
-        self.errors = 0
-        self.seconds = 0.0
-        self.max_seconds = 0.0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.buckets = [0] * _NB
+        self._v = array("d", bytes(8 * (_BUCKET0 + _NB)))
+
+    count = property(lambda self: int(self._v[_COUNT]))
+    errors = property(lambda self: int(self._v[_ERRORS]))
+    seconds = property(lambda self: self._v[_SECONDS])
+    max_seconds = property(lambda self: self._v[_MAX])
+    bytes_in = property(lambda self: int(self._v[_IN]))
+    bytes_out = property(lambda self: int(self._v[_OUT]))
+
+    @property
+    def buckets(self) -> list[int]:
+        return [int(n) for n in self._v[_BUCKET0:]]
+
+    def add(self, seconds: float, bytes_in: int, bytes_out: int, error: bool) -> None:
+        v = self._v
+        v[_COUNT] += 1
+        if error:
+            v[_ERRORS] += 1
+        v[_SECONDS] += seconds
+        if seconds > v[_MAX]:
+            v[_MAX] = seconds
+        v[_IN] += bytes_in
+        v[_OUT] += bytes_out
+        v[_BUCKET0 + bisect_left(BUCKETS_MS, seconds * 1000.0)] += 1
 
     def quantile_ms(self, q: float) -> float | None:
         """Estimate the ``q`` quantile (0..1) in ms by interpolating within its bucket."""
-        buckets = list(self.buckets)
+        buckets = self.buckets
         total = sum(buckets)
         if total == 0:
             return None
@@ -88,7 +114,9 @@ class Metrics:
         self.enabled = ENABLED if enabled is None else enabled
         self.started = time.time()
         self.ops: dict[str, OpRecord] = {}
-        self.totals: dict[str, float] = {}
+        # named totals: a name's slot in one array of doubles (see OpRecord)
+        self._total_index: dict[str, int] = {}
+        self._totals = array("d", [math.nan]) * 32  # NaN: never added to
         self.gauges: dict[str, Callable[[], float]] = {}
         self._lock = threading.Lock()
 
@@ -98,20 +126,33 @@ class Metrics:
         rec = self.ops.get(op)
         if rec is None:
             rec = self.ops[op] = OpRecord()
-        rec.count += 1
-        if error:
-            rec.errors += 1
-        rec.seconds += seconds
-        if seconds > rec.max_seconds:
-            rec.max_seconds = seconds
-        rec.bytes_in += bytes_in
-        rec.bytes_out += bytes_out
-        rec.buckets[bisect_left(BUCKETS_MS, seconds * 1000.0)] += 1
+        rec.add(seconds, bytes_in, bytes_out, error)
+
+    def declare(self, ops=(), totals=()) -> None:
+        """Make the records of ``ops`` and the named ``totals`` now (a server does it for
+        every op it serves, at start-up), so that none is first made while many rows are held."""
+        if self.enabled:
+            for op in ops:
+                if op not in self.ops:
+                    self.ops[op] = OpRecord()
+        with self._lock:
+            for name in totals:
+                self._total_slot(name)
+
+    def _total_slot(self, name: str) -> int:
+        i = self._total_index.get(name)
+        if i is None:
+            i = self._total_index[name] = len(self._total_index)
+            if i >= len(self._totals):
+                self._totals.extend(array("d", [math.nan]) * len(self._totals))
+        return i
 
     def add(self, name: str, value: float = 1) -> None:
         """Add to a named total (thread-safe)."""
         with self._lock:
-            self.totals[name] = self.totals.get(name, 0) + value
+            i = self._total_slot(name)
+            v = self._totals[i]
+            self._totals[i] = value if v != v else v + value
 
     def gauge(self, name: str, fn: Callable[[], float]) -> None:
         """Register a gauge read on demand (``rows_held``, ``bytes_held``, ``open_restores``)."""
@@ -132,11 +173,21 @@ class Metrics:
         return out
 
     def ops_snapshot(self) -> dict:
-        return {op: rec.to_dict() for op, rec in sorted(list(self.ops.items()))}
+        return {op: rec.to_dict() for op, rec in sorted(list(self.ops.items())) if rec.count}
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """The named totals that were added to (a copy)."""
+        with self._lock:
+            out = {}
+            for name, i in self._total_index.items():
+                v = self._totals[i]
+                if v == v:
+                    out[name] = int(v) if v.is_integer() else v
+            return out
 
     def totals_snapshot(self) -> dict:
-        with self._lock:
-            return dict(sorted(self.totals.items()))
+        return dict(sorted(self.totals.items()))
 
     def snapshot(self) -> dict:
         """Everything, as plain JSON-able data (what GET_STATS returns under ``ops``/``totals``)."""

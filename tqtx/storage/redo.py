@@ -11,9 +11,29 @@ import time
 from .. import faults
 from .. import format as fmt
 from ..errors import DumpFormatError
+from ..wire.id_records import IdRecords
 from .loading import plan_reads, read_and_check
 
 log = logging.getLogger("tqtx.unit")
+
+
+class AppliedRestores:
+    """The restores a unit applied (the last ``size``), each with its row count: what a
+    repeated APPLY_STAGED or REDO_RESTORE answers. Kept in an :class:`IdRecords`, so a
+    record made while the unit held many rows does not outlive them as small objects."""
+
+    def __init__(self, size: int = 1024):
+        self._ids = IdRecords(size, 64)
+
+    def get(self, rid: str) -> dict | None:
+        rows = self._ids.get(rid)
+        return None if rows is None else {"rows": int(rows)}
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids
+
+    def record(self, rid: str, rows: int) -> None:
+        self._ids[rid] = b"%d" % rows
 
 
 class RedoRestore:

@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults
@@ -26,10 +25,16 @@ from . import loading
 from .attach import UnitAttach
 from .dump_job import DumpJob
 from .memory import free_bytes, own_small_frames
-from .redo import RedoRestore
+from .redo import AppliedRestores, RedoRestore
 from .replies import into_reply, reply_columns
 
 log = logging.getLogger("tqtx.unit")
+
+
+# The named totals a unit adds to (made at start-up: see Metrics.declare).
+UNIT_TOTALS = ("dumps_total", "dump_rows_total", "dump_bytes_total", "dump_seconds_total",
+               "dump_errors_total", "loads_total", "load_rows_total", "load_bytes_total",
+               "load_seconds_total")
 
 
 class StorageUnit(RedoRestore, UnitAttach):
@@ -42,7 +47,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.address = self.server.address
         self.rows: dict[int, dict] = {}
         self.staging: dict[str, dict[int, tuple[bool, dict]]] = {}
-        self.applied: OrderedDict[str, dict] = OrderedDict()
+        self.applied = AppliedRestores()
         self.dropped: set[str] = set()
         self.redoing: dict[str, list] = {}  # restore_id -> deferred replies of a running redo
         self.lock = threading.Lock()
@@ -71,6 +76,7 @@ class StorageUnit(RedoRestore, UnitAttach):
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
             s.add(op, fn, mutating=mutating)
+        s.metrics.declare(totals=UNIT_TOTALS)
         self.trimmer = None  # the process's malloc trimmer (storage/__main__ starts it)
         self.bytes_held = 0  # running total of the live rows' value bytes (no O(rows) stats)
         self.metrics = s.metrics
@@ -378,9 +384,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         if self.write_watch:
             self._note_writes(staged)
         result = {"rows": len(staged)}
-        self.applied[rid] = result
-        while len(self.applied) > 1024:
-            self.applied.popitem(last=False)
+        self.applied.record(rid, len(staged))
         faults.hit("unit.apply.after_apply")
         log.info("restore %s: unit %d applied %d rows", rid, self.unit_id, len(staged))
         return result

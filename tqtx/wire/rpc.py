@@ -24,11 +24,39 @@ from ..errors import ControllerRecoveringError, RestorePendingError
 from ..metrics import Metrics, frames_nbytes
 from .codec import CodecError, decode, encode
 from .errors import error_payload
+from .id_records import IdRecords
 
 log = logging.getLogger("tqtx.rpc")
 
 DEFAULT_TIMEOUT = float(os.environ.get("TQTX_TIMEOUT", "300"))
 _REPLY_CACHE_SIZE = 4096
+_REPLY_SLOT_BYTES = 256  # a mutating request's usual reply header is 60-120 bytes
+
+
+class ReplyCache:
+    """The recorded replies of the last ``_REPLY_CACHE_SIZE`` mutating requests, by request
+    ID. A one-frame reply (all but a dump's index) is kept as bytes in an
+    :class:`~.id_records.IdRecords`, which makes no long-lived object per entry."""
+
+    def __init__(self, size: int = _REPLY_CACHE_SIZE):
+        self._headers = IdRecords(size, _REPLY_SLOT_BYTES)
+        self._multi: OrderedDict[str, list] = OrderedDict()
+        self._size = size
+
+    def get(self, rid: str) -> list | None:
+        header = self._headers.get(rid)
+        if header is not None:
+            return [header]
+        return self._multi.get(rid)
+
+    def put(self, rid: str, frames: list) -> None:
+        if len(frames) == 1:
+            self._multi.pop(rid, None)
+            self._headers[rid] = frames[0]
+            return
+        self._multi[rid] = frames
+        while len(self._multi) > self._size:
+            self._multi.popitem(last=False)
 
 
 def _context() -> zmq.Context:
@@ -114,7 +142,7 @@ class Server:
             port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.handlers: dict[str, tuple[Callable, bool]] = {}
-        self._cache: OrderedDict[str, list] = OrderedDict()
+        self._cache = ReplyCache()
         self._pending: dict[str, bool] = {}
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # call_soon() work for the loop
@@ -131,6 +159,7 @@ class Server:
 
     def add(self, op: str, fn: Callable, *, mutating: bool = False) -> None:
         self.handlers[op] = (fn, mutating)
+        self.metrics.declare((op,))
 
     def stop(self) -> None:
         self._stop = True
@@ -202,9 +231,7 @@ class Server:
         frames = self._reply_frames(rid, result, error)
         self._pending.pop(rid, None)
         if cache and rid:
-            self._cache[rid] = frames
-            while len(self._cache) > _REPLY_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache.put(rid, frames)
         if timing is not None:  # recorded before the reply leaves: a caller sees its own request
             self._record(timing, frames, error is not None)
         self._send(ident, frames)
@@ -235,10 +262,11 @@ class Server:
                 timing[0] = op if labeller is None else labeller(body)
             fn, mutating = entry
             if mutating and rid:
-                if rid in self._cache:
-                    self._send(ident, self._cache[rid])
+                cached = self._cache.get(rid)
+                if cached is not None:
+                    self._send(ident, cached)
                     if timing is not None:
-                        self._record(timing, self._cache[rid], False)
+                        self._record(timing, cached, False)
                     return
                 if rid in self._pending:
                     return  # the first copy's reply will come; ignore the duplicate
@@ -253,7 +281,7 @@ class Server:
                 faults.hit(f"{role}.reply.{op}")
             except faults.DropReply:
                 if mutating and rid:  # the outcome is recorded; only this reply is lost
-                    self._cache[rid] = self._reply_frames(rid, result, None)
+                    self._cache.put(rid, self._reply_frames(rid, result, None))
                 raise
             self._finish(ident, rid, op, mutating, result, None, timing)
         except faults.DropReply:
@@ -293,7 +321,7 @@ class Server:
                         faults.hit(f"{self.name.split('-')[0]}.reply.{op}")
                     except faults.DropReply as exc:
                         if cache and rid:  # the outcome is recorded; only this reply is lost
-                            self._cache[rid] = self._reply_frames(rid, result, None)
+                            self._cache.put(rid, self._reply_frames(rid, result, None))
                         error = exc
                     except Exception as exc:
                         result, error = None, exc
@@ -303,7 +331,8 @@ class Server:
                         self._record(timing, None, False)
                     continue
                 self._finish(ident, rid, op, cache, result, error, timing)
-                result = error = None  # else a deferred reply (a dump's index) outlives it
+                # else the last deferred reply (a dump's index) and its timing outlive it
+                result = error = timing = None
             if self.socket in events:
                 for _ in range(64):
                     if not self._calls.empty():
@@ -316,6 +345,7 @@ class Server:
                         break
                     self.current_ident = msg[0].bytes
                     self._handle([msg[0].bytes, *msg[1:]])
+                    self._timing = msg = None  # read by a Deferred made while handling it
                     if self._after_reply:
                         self._run_after_reply()
                     msg = None  # else the last request's frames stay alive until the next one

@@ -1,0 +1,97 @@
+"""What a server keeps between requests makes no Python object per request.
+
+A unit's small objects share pymalloc's 1 MiB arenas with the rows' metadata; an object
+made while many rows were held and kept after they are cleared keeps its arena mapped
+(docs/performance.md, part 8). The reply cache, a unit's applied restores and the
+request metrics therefore keep what they record in preallocated memory; these tests count
+the blocks still allocated after many requests, by the file that allocated them."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import tracemalloc
+
+from tqtx.metrics import Metrics
+from tqtx.storage.redo import AppliedRestores
+from tqtx.wire.peer import Peer
+from tqtx.wire.rpc import Server
+
+
+def _blocks_from(snapshot_before, snapshot_after, *suffixes: str) -> int:
+    grown = 0
+    for d in snapshot_after.compare_to(snapshot_before, "traceback"):
+        if d.count_diff > 0 and any(f.filename.endswith(suffixes) for f in d.traceback):
+            grown += d.count_diff
+    return grown
+
+
+@contextlib.contextmanager
+def _traced(frames: int = 12):
+    tracemalloc.start(frames)
+    try:
+        yield
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_server_keeps_nothing_per_mutating_request_it_answered():
+    server = Server("unit-0")
+    server.add("SET", lambda body, req: {"rows": body["n"], "bytes": 64 * body["n"]},
+               mutating=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 20}, daemon=True)
+    thread.start()
+    peer = Peer(server.address, "unit-0", timeout=30)
+    try:
+        for i in range(50):  # warm-up: the records and caches exist before counting
+            peer.call("SET", {"n": i})
+        with _traced():
+            before = tracemalloc.take_snapshot()
+            rids = [f"retry-me-{i:04d}" for i in range(600)]
+            for i, rid in enumerate(rids):
+                assert peer.call("SET", {"n": i}, rid=rid) == {"rows": i, "bytes": 64 * i}
+            time.sleep(0.1)
+            after = tracemalloc.take_snapshot()
+        # 600 recorded replies, each once a header, a frame list, a cache node and a key
+        # (about 2,400 blocks); what stays now is the last request's few objects
+        kept = _blocks_from(before, after, "wire/rpc.py", "metrics.py", "wire/id_records.py")
+        assert kept < 30, kept
+        # and every one of them is still answered from the cache, not run again
+        assert peer.call("SET", {"n": -1}, rid=rids[0]) == {"rows": 0, "bytes": 0}
+        assert peer.call("SET", {"n": -1}, rid=rids[-1]) == {"rows": 599, "bytes": 599 * 64}
+    finally:
+        server.stop()
+        thread.join(10)
+        peer.close()
+
+
+def test_recording_request_metrics_keeps_no_number_objects():
+    m = Metrics("unit", 0, enabled=True)
+    m.declare(("PUT_ROWS", "DROP_ROWS"), totals=("load_rows_total",))
+    m.record("PUT_ROWS", 0.001, 10, 5)
+    with _traced():
+        before = tracemalloc.take_snapshot()
+        for i in range(1000):
+            m.record("PUT_ROWS", 0.001 + i * 1e-6, 100_000 + i, 70_000 + i)
+            m.record("DROP_ROWS", 0.0002, 300 + i, 20)
+            m.add("load_rows_total", 1000 + i)
+        after = tracemalloc.take_snapshot()
+    # (a float or two may sit on the interpreter's free list, which tracemalloc counts as
+    # allocated; a number kept per update would be thousands)
+    assert _blocks_from(before, after, "metrics.py") <= 2
+    rec = m.ops["PUT_ROWS"]
+    assert rec.count == 1001 and rec.bytes_in == 10 + sum(100_000 + i for i in range(1000))
+    assert m.totals["load_rows_total"] == sum(1000 + i for i in range(1000))
+
+
+def test_applied_restores_keep_no_object_per_restore():
+    applied = AppliedRestores(size=256)
+    applied.record("warm", 1)
+    with _traced():
+        before = tracemalloc.take_snapshot()
+        for i in range(1000):
+            applied.record(f"{i:032x}", i)
+        after = tracemalloc.take_snapshot()
+    assert _blocks_from(before, after, "storage/redo.py", "wire/id_records.py") <= 2
+    assert applied.get(f"{999:032x}") == {"rows": 999} and f"{999:032x}" in applied
+    assert applied.get(f"{0:032x}") is None  # only the last 256 are kept
