@@ -35,6 +35,31 @@ def test_an_entry_larger_than_a_slot_is_kept_too():
     assert r.get("rid-big") == b"now small" and len(r) == 2
 
 
+def test_a_value_that_is_not_bytes_is_kept_as_it_is_and_replaces_either_kind():
+    r = IdRecords(2, slot_bytes=64)
+    frames = [b"header", memoryview(b"payload")]
+    r["rid"] = b"one frame"
+    r["rid"] = frames  # the slot entry goes; the list is kept as it is, not copied
+    assert r.get("rid") is frames and len(r) == 1
+    r["rid"] = b"one frame again"  # and back into a slot: the list goes
+    assert r.get("rid") == b"one frame again" and len(r) == 1
+    for k in "abc":  # bounded like the rest: the oldest list is forgotten
+        r[k] = [k]
+    assert "a" not in r and r.get("c") == ["c"]
+
+
+def test_reply_cache_returns_the_frames_it_was_given_of_either_shape():
+    from tqtx.wire.rpc import ReplyCache
+    c = ReplyCache(size=4)
+    c.put("one", [b"reply"])
+    c.put("many", [b"head", b"frame1", b"frame2"])
+    assert c.get("one") == [b"reply"] and c.get("many") == [b"head", b"frame1", b"frame2"]
+    c.put("one", [b"head", b"frame"])  # a later reply of another shape wins over the first
+    assert c.get("one") == [b"head", b"frame"]
+    c.put("many", [b"x" * 4096])  # a one-frame reply larger than a slot
+    assert c.get("many") == [b"x" * 4096] and c.get("missing") is None
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.binary(max_size=40)), max_size=300),
        st.integers(1, 16))

@@ -8,6 +8,8 @@ the blocks still allocated after many requests, by the file that allocated them.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -95,3 +97,74 @@ def test_applied_restores_keep_no_object_per_restore():
     assert _blocks_from(before, after, "storage/redo.py", "wire/id_records.py") <= 2
     assert applied.get(f"{999:032x}") == {"rows": 999} and f"{999:032x}" in applied
     assert applied.get(f"{0:032x}") is None  # only the last 256 are kept
+
+
+_PEER_AND_LOOP = r"""
+import gc, threading, time, tracemalloc
+from tqtx.wire.peer import Peer
+from tqtx.wire.rpc import Server
+server = Server("unit-0")
+server.add("ECHO", lambda body, req: {"n": body["n"]}, mutating=False)
+# a long poll: once idle, the loop makes no turn (and frees nothing) while we count
+thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 60_000})
+thread.start()
+peer = Peer(server.address, "unit-0", timeout=30)
+for i in range(50):
+    peer.call("ECHO", {"n": i})
+tracemalloc.start(12)
+before = tracemalloc.take_snapshot()
+for i in range(300):
+    assert peer.call("ECHO", {"n": 1000 + i}) == {"n": 1000 + i}
+time.sleep(0.2)  # the loop finishes the last request and waits in its poll
+# what a settled unit does before its quiet trim: the interpreter's free lists (dicts and
+# tuples kept for reuse, which tracemalloc counts) are emptied
+gc.collect()
+after = tracemalloc.take_snapshot()
+tracemalloc.stop()
+kept = {"peer": 0, "loop": 0}
+for d in after.compare_to(before, "traceback"):
+    files = [f.filename for f in d.traceback]
+    if d.count_diff <= 0 or any(f.endswith("zmq/sugar/poll.py") for f in files):
+        continue  # what the poll the loop is blocked in holds is in flight, not kept
+    if any(f.endswith("wire/peer.py") for f in files):
+        kept["peer"] += d.count_diff
+    elif any(f.endswith("wire/rpc.py") for f in files):
+        kept["loop"] += d.count_diff
+assert peer.frames_received == 0 and peer.header_bytes_received > 300 * 20
+server.call_soon(server.stop)  # wakes the long poll
+thread.join(10)
+peer.close()
+print(kept["peer"], kept["loop"])
+"""
+
+
+def test_a_peer_and_a_server_loop_keep_nothing_from_one_request_to_the_next():
+    """A unit's heartbeat peer and its server loop run for the unit's whole life. Anything
+    they kept from one request (or loop turn) to the next, a counter's new int, a send
+    time's float, the last poll result, the last sender's identity, was made while the
+    previous one was still alive, so it landed in the same pymalloc pool, over and over:
+    that pool, and its arena, could never empty after a clear (docs/performance.md,
+    part 9). Counted in a process of its own: no other test's threads allocate there."""
+    out = subprocess.run([sys.executable, "-c", _PEER_AND_LOOP], check=True,
+                         capture_output=True, text=True, timeout=120).stdout.split()
+    assert out == ["0", "0"], out
+
+
+def test_the_malloc_trimmer_keeps_no_number_from_one_check_to_the_next():
+    from tqtx.storage import memory
+    if memory.free_bytes() is None:
+        return  # no glibc: the trimmer does nothing, so keeps nothing
+    t = memory.Trimmer(threshold=1 << 40, period=60, quiet_checks=1 << 30)
+    held = []
+    t.check()
+    with _traced():
+        before = tracemalloc.take_snapshot()
+        for i in range(300):
+            held.append(bytearray(64 * 1024))  # free bytes change between checks
+            if i % 2:
+                held.pop(0)
+            t.check()
+        after = tracemalloc.take_snapshot()
+    assert _blocks_from(before, after, "storage/memory.py") == 0
+    assert t.trims == 0
+    del held

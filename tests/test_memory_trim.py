@@ -139,3 +139,21 @@ def test_quiet_trim_collects_first_only_when_asked(monkeypatch):
     del more[::2]  # 6 MiB freed at once
     assert g.check() is True and collected == [1]  # a growth trim never collects
     del bufs, more
+
+
+def test_a_growth_trim_leaves_the_quiet_trim_and_its_collection_due(monkeypatch):
+    """A burst that ends with a growth trim (a restore over live keys, then a clear: more
+    than the threshold freed at once) still gets the quiet trim and its collection once
+    the unit settles: the free lists the burst filled would else keep the rows' object
+    arenas mapped."""
+    collected = []
+    monkeypatch.setattr(memory.gc, "collect", lambda *a: collected.append(1) or 0)
+    bufs = [bytearray(24 * 1024) for _ in range(512)]
+    t = memory.Trimmer(threshold=4 * MiB, period=60, quiet_checks=2, collect_if=lambda: True)
+    t.check()
+    del bufs[::2]  # 6 MiB freed at once: the last thing the burst did
+    assert t.check() is True and collected == []  # growth trim, no collection mid-burst
+    assert [t.check() for _ in range(3)] == [False, True, False]  # settled: quiet trim
+    assert collected == [1]
+    assert [t.check() for _ in range(3)] == [False, False, False]  # nothing new: no more
+    del bufs

@@ -10,8 +10,8 @@ part 8). Here an entry is bytes in one anonymous mapping made at start-up (slots
 round-robin, the oldest replaced first) plus a slot number in an open-addressing table
 (an ``array``): inserting and finding allocate only transient objects.
 
-An entry whose key and value do not fit a slot (large replies, rare) is kept in an
-ordinary bounded dict instead.
+An entry whose key and value do not fit a slot (large replies, rare), or whose value is
+not bytes (a reply of several frames), is kept in an ordinary bounded dict instead.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ _EMPTY = -1
 
 class IdRecords:
     """A map ``str -> bytes`` that keeps an entry for the ``capacity`` inserts after it
-    (a key inserted again starts over): at most ``capacity`` entries, the oldest forgotten."""
+    (a key inserted again starts over): at most ``capacity`` entries, the oldest forgotten.
+    A value that is not bytes-like is kept as it is, in the bounded dict."""
 
     def __init__(self, capacity: int = 4096, slot_bytes: int = 256):
         if capacity < 1 or slot_bytes < 16:
@@ -52,7 +53,8 @@ class IdRecords:
         return self.get(key) is not None
 
     def get(self, key: str, default=None):
-        """The bytes recorded for ``key``, or ``default``."""
+        """The value recorded for ``key`` (bytes, or what was stored if not bytes-like),
+        or ``default``."""
         kb = key.encode()
         with self._lock:
             pos = self._find(kb, hash(kb))
@@ -62,19 +64,20 @@ class IdRecords:
                 return self._buf[off:off + self._vlen[s]]
             return self._large.get(key, default)
 
-    def __setitem__(self, key: str, value: bytes) -> None:
+    def __setitem__(self, key: str, value) -> None:
         kb = key.encode()
         with self._lock:
             self._set(kb, hash(kb), key, value)
 
-    def _set(self, kb: bytes, h: int, key: str, value: bytes) -> None:
+    def _set(self, kb: bytes, h: int, key: str, value) -> None:
         pos = self._find(kb, h)
         if pos >= 0:
             self._unlink(pos)
         else:
             self._large.pop(key, None)
-        if len(kb) + len(value) > self.slot_bytes:
-            self._large[key] = bytes(value)
+        raw = isinstance(value, (bytes, bytearray, memoryview))
+        if not raw or len(kb) + len(value) > self.slot_bytes:
+            self._large[key] = bytes(value) if raw else value
             while len(self._large) > self.capacity:
                 self._large.popitem(last=False)
             return

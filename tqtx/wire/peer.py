@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from array import array
 from typing import Callable
 
 import zmq
@@ -46,10 +47,19 @@ class Peer:
         self._monitor = None
         self.connected = False  # handshake done and the connection has not closed since
         self._lost = False      # a connection closed since the last request was sent
-        self._sent_at = 0.0
-        self.bytes_received = 0    # tensor frame bytes (payload)
-        self.frames_received = 0   # tensor frames
-        self.header_bytes_received = 0
+        # The numbers a long-lived peer (a unit's heartbeat) updates at every request live in
+        # arrays: a new int or float kept until the next request would be made beside the
+        # last one, in the same pymalloc pool, so that pool could never empty (a unit's
+        # memory after a clear; docs/performance.md, part 9).
+        self._counts = array("q", bytes(8 * 3))  # payload frames, payload bytes, header bytes
+        self._sent = array("d", [0.0])
+
+    frames_received = property(lambda self: self._counts[0], doc="tensor frames received")
+    bytes_received = property(lambda self: self._counts[1],
+                              doc="tensor frame bytes (payload) received")
+    header_bytes_received = property(lambda self: self._counts[2])
+    _sent_at = property(lambda self: self._sent[0],
+                        doc="time.monotonic() when the last request was sent")
 
     def _sock(self):
         if self.socket is None:
@@ -99,7 +109,7 @@ class Peer:
         sock = self._sock()
         self._link_events()
         self._lost = False  # only a close after this request means the server lost it
-        self._sent_at = time.monotonic()
+        self._sent[0] = time.monotonic()
         send_frames(sock, frames)
         return rid
 
@@ -127,9 +137,10 @@ class Peer:
             return reply.get("result")
 
     def _decode(self, frames):
-        self.frames_received += len(frames) - 1
-        self.bytes_received += sum(len(f.buffer) for f in frames[1:])
-        self.header_bytes_received += len(frames[0].buffer)
+        counts = self._counts
+        counts[0] += len(frames) - 1
+        counts[1] += sum(len(f.buffer) for f in frames[1:])
+        counts[2] += len(frames[0].buffer)
         return decode([f.buffer for f in frames])
 
     def gone(self) -> str | None:

@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from typing import Callable
 
 import zmq
@@ -35,28 +34,18 @@ _REPLY_SLOT_BYTES = 256  # a mutating request's usual reply header is 60-120 byt
 
 class ReplyCache:
     """The recorded replies of the last ``_REPLY_CACHE_SIZE`` mutating requests, by request
-    ID. A one-frame reply (all but a dump's index) is kept as bytes in an
-    :class:`~.id_records.IdRecords`, which makes no long-lived object per entry."""
+    ID, in an :class:`~.id_records.IdRecords` (no long-lived object per entry): a one-frame
+    reply (all but a dump's index) as its bytes, a longer one as its frame list."""
 
     def __init__(self, size: int = _REPLY_CACHE_SIZE):
-        self._headers = IdRecords(size, _REPLY_SLOT_BYTES)
-        self._multi: OrderedDict[str, list] = OrderedDict()
-        self._size = size
+        self._records = IdRecords(size, _REPLY_SLOT_BYTES)
 
     def get(self, rid: str) -> list | None:
-        header = self._headers.get(rid)
-        if header is not None:
-            return [header]
-        return self._multi.get(rid)
+        got = self._records.get(rid)
+        return got if got is None or type(got) is list else [got]
 
     def put(self, rid: str, frames: list) -> None:
-        if len(frames) == 1:
-            self._multi.pop(rid, None)
-            self._headers[rid] = frames[0]
-            return
-        self._multi[rid] = frames
-        while len(self._multi) > self._size:
-            self._multi.popitem(last=False)
+        self._records[rid] = frames[0] if len(frames) == 1 else frames
 
 
 def _context() -> zmq.Context:
@@ -304,7 +293,12 @@ class Server:
         poller.register(self._wake, zmq.POLLIN)
         while not self._stop:
             events = dict(poller.poll(poll_ms))
-            if self._wake in events:
+            woken, readable = self._wake in events, self.socket in events
+            # Nothing made in one turn may live into the next: made beside its predecessor,
+            # each turn's object would land in the same pymalloc pool, and that pool (with its
+            # arena) could never empty (docs/performance.md, part 9).
+            events = None
+            if woken:
                 while True:
                     try:
                         self._wake.recv(zmq.NOBLOCK)
@@ -333,7 +327,7 @@ class Server:
                 self._finish(ident, rid, op, cache, result, error, timing)
                 # else the last deferred reply (a dump's index) and its timing outlive it
                 result = error = timing = None
-            if self.socket in events:
+            if readable:
                 for _ in range(64):
                     if not self._calls.empty():
                         # a call_soon made before this request was sent runs before it is
@@ -345,7 +339,8 @@ class Server:
                         break
                     self.current_ident = msg[0].bytes
                     self._handle([msg[0].bytes, *msg[1:]])
-                    self._timing = msg = None  # read by a Deferred made while handling it
+                    # read by a Deferred made while handling it
+                    self._timing = self.current_ident = msg = None
                     if self._after_reply:
                         self._run_after_reply()
                     msg = None  # else the last request's frames stay alive until the next one
