@@ -103,20 +103,32 @@ def test_applied_restores_keep_no_object_per_restore():
 
 _PEER_AND_LOOP = r"""
 import gc, threading, time, tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from tqtx.wire.peer import Peer
 from tqtx.wire.rpc import Server
 server = Server("unit-0")
 server.add("ECHO", lambda body, req: {"n": body["n"]}, mutating=False)
+# a reply from a worker thread (as a unit's dumps and restores answer), pending meanwhile
+worker = ThreadPoolExecutor(1, initializer=server.prepare_thread)
+worker.submit(int).result()
+def later(body, req):
+    deferred = server.deferred(req, server.current_ident)
+    worker.submit(deferred.reply, {"n": body["n"]})
+    return deferred
+server.add("LATER", later, mutating=True)
 # a long poll: once idle, the loop makes no turn (and frees nothing) while we count
 thread = threading.Thread(target=server.serve_forever, kwargs={"poll_ms": 60_000})
 thread.start()
 peer = Peer(server.address, "unit-0", timeout=30)
 for i in range(50):
     peer.call("ECHO", {"n": i})
+    peer.call("LATER", {"n": i}, rid=f"warm-{i}")
 tracemalloc.start(12)
 before = tracemalloc.take_snapshot()
 for i in range(300):
     assert peer.call("ECHO", {"n": 1000 + i}) == {"n": 1000 + i}
+    if i % 3 == 0:
+        assert peer.call("LATER", {"n": i}, rid=f"later-{i}") == {"n": i}
 time.sleep(0.2)  # the loop finishes the last request and waits in its poll
 # what a settled unit does before its quiet trim: the interpreter's free lists (dicts and
 # tuples kept for reuse, which tracemalloc counts) are emptied
@@ -135,6 +147,7 @@ for d in after.compare_to(before, "traceback"):
 assert peer.frames_received == 0 and peer.header_bytes_received > 300 * 20
 server.call_soon(server.stop)  # wakes the long poll
 thread.join(10)
+worker.shutdown()
 peer.close()
 print(kept["peer"], kept["loop"])
 """
@@ -146,7 +159,9 @@ def test_a_peer_and_a_server_loop_keep_nothing_from_one_request_to_the_next():
     time's float, the last poll result, the last sender's identity, was made while the
     previous one was still alive, so it landed in the same pymalloc pool, over and over:
     that pool, and its arena, could never empty after a clear (docs/performance.md,
-    part 9). Counted in a process of its own: no other test's threads allocate there."""
+    part 9). So would the last deferred reply's sender, request ID and op, and the table of
+    the dict of pending requests, once empty (part 10). Counted in a process of its own:
+    no other test's threads allocate there."""
     out = subprocess.run([sys.executable, "-c", _PEER_AND_LOOP], check=True,
                          capture_output=True, text=True, timeout=120).stdout.split()
     assert out == ["0", "0"], out
@@ -170,3 +185,78 @@ def test_the_malloc_trimmer_keeps_no_number_from_one_check_to_the_next():
     assert _blocks_from(before, after, "storage/memory.py") == 0
     assert t.trims == 0
     del held
+
+
+def _held_while_sleeping(sleep) -> int:
+    """Blocks allocated by threading.py and still alive in a thread that is in its second
+    ``sleep()``, made after the thread started (a process of its own would be cleaner;
+    here the other threads of the test process do not allocate in threading.py)."""
+    stop = threading.Event()
+    awake = threading.Event()
+
+    def run():
+        while not sleep(stop):
+            awake.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    time.sleep(0.1)
+    with _traced(25):
+        before = tracemalloc.take_snapshot()
+        assert awake.wait(5)
+        time.sleep(0.1)  # back in the next sleep
+        after = tracemalloc.take_snapshot()
+    stop.set()
+    t.join(5)
+    return _blocks_from(before, after, "/threading.py")
+
+
+def test_a_units_threads_sleep_without_keeping_objects_alive():
+    """The trimmer and the heartbeat sleep nearly all the time. An Event.wait there keeps
+    a lock and an argument tuple alive while it waits, made anew each time wherever the
+    allocator has room, and after a clear that pinned an arena the rows had filled
+    (docs/performance.md, part 10); memory.pause makes none."""
+    from tqtx.storage.memory import pause
+
+    # the reference: the same loop with Event.wait does keep blocks alive while waiting
+    assert _held_while_sleeping(lambda stop: stop.wait(0.3)) > 0
+    assert _held_while_sleeping(lambda stop: pause(stop, 0.3)) == 0
+    stop = threading.Event()
+    assert pause(stop, 0.01) is False
+    stop.set()
+    assert pause(stop, 0.01) is True
+
+
+def test_a_unit_starts_its_io_threads_and_their_wake_sockets_before_it_serves():
+    """A thread started (or a thread's wake-up socket made) in the middle of a big restore
+    lives as long as the unit, in memory the restored rows' objects used: after a clear,
+    its arena stayed mapped (docs/performance.md, part 10). A unit makes all of them as it
+    starts."""
+    from tqtx.storage.unit import IO_THREADS, StorageUnit
+
+    before = {t.ident for t in threading.enumerate()}
+    unit = StorageUnit(7, "tcp://127.0.0.1:9")  # never registered: no controller needed
+    try:
+        started = [t for t in threading.enumerate()
+                   if t.ident not in before and t.name.startswith("unit7-io")]
+        assert len(started) == IO_THREADS
+        made = unit.server.prepare_thread
+        # each pool thread already has its socket: asking again returns the same one
+        gate = threading.Barrier(IO_THREADS)
+
+        def own_socket():
+            sock = getattr(unit.server._wake_local, "sock", None)
+            gate.wait(10)  # every thread answers once: all of them are covered
+            return sock is not None and sock is made(), id(sock)
+
+        results = [f.result(10) for f in [unit.pool.submit(own_socket)
+                                           for _ in range(IO_THREADS)]]
+        assert all(ok for ok, _ in results)
+        socks = {i for _, i in results}
+        assert len(socks) == IO_THREADS
+        assert {t.ident for t in threading.enumerate()
+                if t.name.startswith("unit7-io")} == {t.ident for t in started}
+    finally:
+        unit.pool.shutdown(wait=True)
+        unit.server.socket.close(0)
+        unit.server._wake.close(0)

@@ -16,6 +16,7 @@ import threading
 
 from .. import faults
 from ..wire.peer import Peer
+from .memory import pause
 
 log = logging.getLogger("tqtx.unit")
 
@@ -151,7 +152,7 @@ class UnitAttach:
                     curve=self.client_curve, connect_timeout=wait)
         trouble = ""  # what went wrong at the last beat: logged once, not once per beat
         try:
-            while not self.attach_stop.wait(period):
+            while not pause(self.attach_stop, period):
                 now, why = self._beat(peer, wait)
                 if now and now != trouble:
                     log.warning("unit %d: %s; retrying every %gs", self.unit_id, why, period)

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import threading
+import time
 from array import array
 from typing import Callable
 
@@ -67,6 +68,16 @@ def free_bytes() -> int | None:
 def trim() -> bool:
     """Return every whole free page malloc holds to the OS; True if any was."""
     return bool(_LIBC.malloc_trim(0)) if _LIBC is not None else False
+
+
+def pause(stop: threading.Event, seconds: float) -> bool:
+    """Sleep ``seconds``; True if ``stop`` is set then. For a thread of a unit that wakes
+    up for good: ``stop.wait(seconds)`` would return at once when set, but it makes a lock
+    and an argument tuple that stay alive while it waits, so nearly always, and they pin
+    whatever pymalloc pool (and 1 MiB arena) they landed in, perhaps one the rows filled
+    (docs/performance.md, part 10)."""
+    time.sleep(seconds)
+    return stop.is_set()
 
 
 class Trimmer:
@@ -138,7 +149,7 @@ class Trimmer:
         return True
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while not pause(self._stop, self.period):
             try:
                 self.check()
             except Exception as exc:  # never take the unit down for this

@@ -37,6 +37,19 @@ UNIT_TOTALS = ("dumps_total", "dump_rows_total", "dump_bytes_total", "dump_secon
                "load_seconds_total")
 
 
+IO_THREADS = 4
+
+
+def _start_all(pool: ThreadPoolExecutor) -> None:
+    """Start every thread of ``pool`` now (it starts them lazily, one a busy submit): a
+    thread's objects live as long as it does, and one started during a big restore would
+    keep the memory pages the restored rows' objects used (docs/performance.md, part 10)."""
+    gate = threading.Barrier(IO_THREADS + 1)
+    for _ in range(IO_THREADS):
+        pool.submit(gate.wait, 10)
+    gate.wait(10)
+
+
 class StorageUnit(RedoRestore, UnitAttach):
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
                  port: int = 0, curve=None, client_curve=None):
@@ -54,7 +67,9 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.dump_jobs: dict[str, DumpJob] = {}
         self.checkpoint_staged: tuple | None = None
         self.applied_checkpoint: str | None = None
-        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"unit{unit_id}-io")
+        self.pool = ThreadPoolExecutor(max_workers=IO_THREADS, initializer=self.server.prepare_thread,
+                                       thread_name_prefix=f"unit{unit_id}-io")
+        _start_all(self.pool)
         self.started = time.time()
         self.reply_files = shm.ReplyFiles(unit_id)
         self._init_attach()

@@ -189,12 +189,19 @@ class Server:
         self._posted.put((ident, rid, op, cache, result, error, timing))
         self._wake_up()
 
-    def _wake_up(self) -> None:
+    def prepare_thread(self) -> zmq.Socket:
+        """This thread's socket to wake the loop with (made at its first wake-up unless
+        called before: a worker thread calls it as it starts, so that what it keeps for
+        its life is made then, not in the middle of a burst of rows)."""
         sock = getattr(self._wake_local, "sock", None)
         if sock is None:
             sock = self._wake_local.sock = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(self._wake_addr)
+        return sock
+
+    def _wake_up(self) -> None:
+        sock = self.prepare_thread()
         try:
             # never blocks: with the loop stopped (no reader) a blocking send would hang this
             # worker, and the process's shutdown waiting for it; a full queue is awake anyway
@@ -218,12 +225,20 @@ class Server:
 
     def _finish(self, ident, rid, op, cache, result, error, timing=None) -> None:
         frames = self._reply_frames(rid, result, error)
-        self._pending.pop(rid, None)
+        self._unpend(rid)
         if cache and rid:
             self._cache.put(rid, frames)
         if timing is not None:  # recorded before the reply leaves: a caller sees its own request
             self._record(timing, frames, error is not None)
         self._send(ident, frames)
+
+    def _unpend(self, rid: str) -> None:
+        pending = self._pending
+        pending.pop(rid, None)
+        if not pending:
+            # an empty dict keeps its table, made wherever the last deferred call's insert
+            # found room: that would pin its pymalloc pool (docs/performance.md, part 10)
+            pending.clear()
 
     def _record(self, timing: list, frames, error: bool) -> None:
         """Count one request: receive-to-reply time, request and reply frame bytes."""
@@ -320,13 +335,13 @@ class Server:
                     except Exception as exc:
                         result, error = None, exc
                 if isinstance(error, faults.DropReply):
-                    self._pending.pop(rid, None)
+                    self._unpend(rid)
                     if timing is not None:
                         self._record(timing, None, False)
                     continue
                 self._finish(ident, rid, op, cache, result, error, timing)
-                # else the last deferred reply (a dump's index) and its timing outlive it
-                result = error = timing = None
+            # else the last deferred reply (a dump's index), its sender and timing outlive it
+            ident = rid = op = result = error = timing = None
             if readable:
                 for _ in range(64):
                     if not self._calls.empty():
