@@ -71,11 +71,11 @@ def trim() -> bool:
 
 
 def pause(stop: threading.Event, seconds: float) -> bool:
-    """Sleep ``seconds``; True if ``stop`` is set then. For a thread of a unit that wakes
-    up for good: ``stop.wait(seconds)`` would return at once when set, but it makes a lock
-    and an argument tuple that stay alive while it waits, so nearly always, and they pin
-    whatever pymalloc pool (and 1 MiB arena) they landed in, perhaps one the rows filled
-    (docs/performance.md, part 10)."""
+    """Sleep ``seconds``; True if ``stop`` is set then. For a unit's threads that sleep
+    most of the time (the trimmer, the heartbeat): ``stop.wait(seconds)`` would return as
+    soon as it is set, but it makes a lock and an argument tuple that are alive while it
+    waits, so nearly always, and they pin whatever pymalloc pool (and 1 MiB arena) they
+    landed in, perhaps one the rows filled (docs/performance.md, part 10)."""
     time.sleep(seconds)
     return stop.is_set()
 

@@ -67,7 +67,8 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.dump_jobs: dict[str, DumpJob] = {}
         self.checkpoint_staged: tuple | None = None
         self.applied_checkpoint: str | None = None
-        self.pool = ThreadPoolExecutor(max_workers=IO_THREADS, initializer=self.server.prepare_thread,
+        self.pool = ThreadPoolExecutor(max_workers=IO_THREADS,
+                                       initializer=self.server.prepare_thread,
                                        thread_name_prefix=f"unit{unit_id}-io")
         _start_all(self.pool)
         self.started = time.time()
