@@ -260,3 +260,25 @@ def test_a_unit_starts_its_io_threads_and_their_wake_sockets_before_it_serves():
         unit.pool.shutdown(wait=True)
         unit.server.socket.close(0)
         unit.server._wake.close(0)
+
+
+def test_a_unit_whose_io_threads_start_slowly_still_starts(caplog):
+    """Starting the I/O threads early is for memory only: if they do not all start in
+    time, the unit goes on (and logs it) instead of failing to start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqtx.storage.unit import IO_THREADS, _start_all
+
+    pool = ThreadPoolExecutor(max_workers=IO_THREADS - 1)  # one thread short: never all met
+    try:
+        with caplog.at_level("WARNING", logger="tqtx.unit"):
+            assert _start_all(pool, timeout=0.3) is False
+        assert any("not all" in r.getMessage() for r in caplog.records)
+        assert pool.submit(lambda: 42).result(5) == 42  # the pool still works
+    finally:
+        pool.shutdown(wait=True)
+    full = ThreadPoolExecutor(max_workers=IO_THREADS)
+    try:
+        assert _start_all(full, timeout=10) is True
+    finally:
+        full.shutdown(wait=True)

@@ -40,14 +40,22 @@ UNIT_TOTALS = ("dumps_total", "dump_rows_total", "dump_bytes_total", "dump_secon
 IO_THREADS = 4
 
 
-def _start_all(pool: ThreadPoolExecutor) -> None:
+def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
     """Start every thread of ``pool`` now (it starts them lazily, one a busy submit): a
     thread's objects live as long as it does, and one started during a big restore would
-    keep the memory pages the restored rows' objects used (docs/performance.md, part 10)."""
+    keep the memory pages the restored rows' objects used (docs/performance.md, part 10).
+    False if they did not all start within ``timeout`` (the rest then start when needed:
+    a unit is not refused for this)."""
     gate = threading.Barrier(IO_THREADS + 1)
     for _ in range(IO_THREADS):
-        pool.submit(gate.wait, 10)
-    gate.wait(10)
+        pool.submit(gate.wait, timeout)
+    try:
+        gate.wait(timeout)
+        return True
+    except threading.BrokenBarrierError:
+        log.warning("unit I/O threads: not all %d started within %gs; the rest start when "
+                    "needed", IO_THREADS, timeout)
+        return False
 
 
 class StorageUnit(RedoRestore, UnitAttach):
