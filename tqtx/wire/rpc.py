@@ -352,13 +352,13 @@ class Server:
                         msg = recv_frames(self.socket, zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self.current_ident = msg[0].bytes
-                    self._handle([msg[0].bytes, *msg[1:]])
-                    # read by a Deferred made while handling it
-                    self._timing = self.current_ident = msg = None
+                    ident = self.current_ident = msg[0].bytes  # read by a Deferred
+                    self._handle([ident, *msg[1:]])
+                    # else the last request's timing, sender and frames stay alive until
+                    # the next one
+                    self._timing = self.current_ident = ident = msg = None
                     if self._after_reply:
                         self._run_after_reply()
-                    msg = None  # else the last request's frames stay alive until the next one
         self.socket.close(linger=1000)
         self._wake.close(linger=0)
 
