@@ -135,12 +135,12 @@ def _build_dump(d):
     d.mkdir(parents=True)
     (d / F.SHARDS_DIR).mkdir()
     w = F.ShardWriter(d / F.shard_file_name(0))
-    w.write_rows([(0, {"x": b"abc"})])
+    w.write_rows([(0, {"x": b"abc"}, 1, "p", "k0")])
     entries = w.close()
     idx = F.write_shard_index(d, 0, entries)
     ri = F.write_row_index(d, partition_id="p", dump_id="d1",
                            field_schema={"x": infer_schema([b"abc"])},
-                           rows=[["k0", 0, ["x"], None]])
+                           rows=[["k0", 0, ["x"], None, 1]])
     F.write_manifest(d, dump_id="d1", partition_id="p", keys=1, rows_with_data=1,
                      bytes=w.bytes_written, row_index=ri,
                      shards=[{"unit": 0, "file": F.shard_file_name(0), "size": w.bytes_written,

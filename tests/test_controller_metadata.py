@@ -34,7 +34,7 @@ def _put(meta: Metadata, pid: str, keys: list[str], fields: list[str], tags=None
     part = meta.partition(pid, create=True)
     for k in keys:
         if k not in part.keys and k not in part.pending:
-            part.pending[k] = meta.allocate(1)[0]
+            part.pending[k] = meta.allocate_rows(1)[0][0]
     for f in fields:
         part.schema.setdefault(f, {"kind": "tensor"})
     change, updates, common = meta.plan_commit(pid, keys, fields, tags)

@@ -20,7 +20,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 def test_record_checksums_are_crc32c(tmp_path):
     path = tmp_path / "unit-0.bin"
     with fmt.ShardWriter(path) as w:
-        w.write_rows([(0, {"x": b"payload"}), (1, {"y": "text"})])
+        w.write_rows([(0, {"x": b"payload"}, 1, "p", "a"), (1, {"y": "text"}, 2, "p", "b")])
     data = path.read_bytes()
     for _gidx, offset, length, crc in w.entries:
         record = data[offset:offset + length]

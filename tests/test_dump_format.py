@@ -32,6 +32,22 @@ def T(dtype, shape, fill=None):
     return RawTensor(dtype, shape, data)
 
 
+def ident(gidx: int) -> dict:
+    """The row a test record names: partition "train", key and generation from the index."""
+    return {"gen": 1000 + gidx, "partition_id": "train", "key": f"key-{gidx}"}
+
+
+def enc(gidx, row):
+    return F.encode_record(gidx, row, **ident(gidx))
+
+
+def idented(rows):
+    """``(gidx, row)`` pairs as ShardWriter rows naming :func:`ident`'s row."""
+    for gidx, row in rows:
+        i = ident(gidx)
+        yield gidx, row, i["gen"], i["partition_id"], i["key"]
+
+
 def sample_rows():
     """(key, gidx, row or None, tag) covering every value kind."""
     rows = []
@@ -61,9 +77,9 @@ def build_dump(dump_dir: Path, rows, units=(0, 1)) -> Path:
     index_rows = []
     for n, (key, gidx, row, tag) in enumerate(rows):
         fields = list(row) if row else []
-        index_rows.append([key, gidx, fields, tag])
+        index_rows.append([key, gidx, fields, tag, 1000 + gidx])
         if row:
-            per_unit[units[n % len(units)]].append((gidx, row))
+            per_unit[units[n % len(units)]].append((gidx, row, 1000 + gidx, "train", key))
             for f, v in row.items():
                 s = infer_schema([v])
                 schema[f] = merge_schema_strict(schema[f], s) if f in schema else s
@@ -98,7 +114,7 @@ def read_all(dump_dir) -> dict:
 def test_decoded_payloads_are_views_of_the_record_unless_smaller_than_a_view():
     row = {"big": T("float32", [64], 1), "edge": T("uint8", [184], 2),
            "over": T("uint8", [185], 3), "text": "x"}
-    bufs, _length, _crc = F.encode_record(7, row)
+    bufs, _length, _crc = enc(7, row)
     record = b"".join(bytes(b) for b in bufs)
     gidx, got = F.decode_record(record)
     assert gidx == 7 and got == row
@@ -108,7 +124,7 @@ def test_decoded_payloads_are_views_of_the_record_unless_smaller_than_a_view():
 
 
 def test_names():
-    assert F.FORMAT_VERSION == 1
+    assert F.FORMAT_VERSION == 2
     assert F.shard_file_name(3) == "shards/unit-3.bin"
     assert F.shard_index_name(3) == "shards/unit-3.index"
 
@@ -140,7 +156,7 @@ def test_round_trip(tmp_path):
     view = F.read_row_index(d)
     assert view["rows"]["no-data"] == {"global_index": 200, "fields": [], "tag": None}
     assert view["rows"]["k2"]["tag"] == {"score": 1.0, "t": T("int8", [2], 2)}
-    assert view["partition_id"] == "train" and view["format_version"] == 1
+    assert view["partition_id"] == "train" and view["format_version"] == 2
 
     res = F.verify_dump(d)
     assert res["ok"] and res["records"] == 6 and not res["errors"], res
@@ -154,7 +170,7 @@ def test_round_trip(tmp_path):
     assert sorted(s["records"] for s in info["shards"]) == [3, 3]
 
     manifest = json.loads((d / F.MANIFEST).read_text())
-    assert manifest["format_version"] == 1 and manifest["writer"] == "units"
+    assert manifest["format_version"] == 2 and manifest["writer"] == "units"
     assert manifest["created_at"].endswith("+00:00")
     assert not (d / (F.MANIFEST + ".tmp")).exists()
 
@@ -164,7 +180,7 @@ def test_memoryview_slice_writes_only_own_bytes(tmp_path):
     part = memoryview(big)[4096:4096 + 800]
     row = {"x": RawTensor("float32", [200], part)}
     w = F.ShardWriter(tmp_path / "s.bin")
-    w.write_rows([(7, row)])
+    w.write_rows(idented([(7, row)]))
     entries = w.close()
     [(gidx, offset, length, crc)] = entries
     assert gidx == 7 and offset == 0 and length < 800 + 100
@@ -178,7 +194,7 @@ def test_non_contiguous_and_typed_views():
     rows = {"typed": RawTensor("int32", [2, 2], memoryview(bytearray(range(16))).cast("i")),
             "strided": RawTensor("uint8", [32], strided),
             "big_strided": RawTensor("uint8", [5000], memoryview(bytearray(10000))[::2])}
-    bufs, length, crc = F.encode_record(1, rows)
+    bufs, length, crc = enc(1, rows)
     rec = b"".join(bytes(b) for b in bufs)
     assert len(rec) == length and F.checksum(rec) == crc
     _, row = F.decode_record(rec)
@@ -191,7 +207,7 @@ def test_record_objects_are_codec_packb_bytes():
     row = {**sample_rows()[1][2], "set": {3, 1, 2}, "blob": b"\x00\x01", "yes": True,
            "neg": -2**63, "nested": [T("uint8", [5000], 1), {"x": 1.5, 2: "int key"}],
            "big": T("uint8", [9000], 2)}
-    bufs, length, crc = F.encode_record(9, row)
+    bufs, length, crc = enc(9, row)
     rec = b"".join(bytes(b) for b in bufs)
     assert len(rec) == length and F.checksum(rec) == crc
     magic, hlen = struct.unpack_from("<4sI", rec)
@@ -207,28 +223,55 @@ def test_record_objects_are_codec_packb_bytes():
     _, got = F.decode_record(rec)
     assert got == {**row, "set": [1, 2, 3]}
 
-    bufs, length, crc = F.encode_record(5, {"t": RawTensor("int16", [2], b"\x01\x00\x02\x00"),
+    bufs, length, crc = enc(5, {"t": RawTensor("int16", [2], b"\x01\x00\x02\x00"),
                                             "o": {"s": "x", "e": RawTensor("uint8", [1], b"\x07")}})
     assert b"".join(bytes(b) for b in bufs).hex() == (
-        "545152313300000082a16905a16682a17495a174a5696e74313691020004a16f92a16fc41682a173a178"
-        "a165c70c0293a575696e74389101c4010701000200")
-    assert (length, crc) == (63, 0xca5b03df)
+        "545152324800000085a16905a167cd03eda170a5747261696ea16ba56b65792d35a16682a17495a174a5"
+        "696e74313691020004a16f92a16fc41682a173a178a165c70c0293a575696e74389101c4010701000200")
+    assert (length, crc) == (84, 0xcf17f0b4)
+
+
+# The same row as a format version 1 record (written by tqtx before records named their
+# row), byte for byte: still read, its values intact.
+V1_RECORD = bytes.fromhex(
+    "545152313300000082a16905a16682a17495a174a5696e74313691020004a16f92a16fc41682a173a178"
+    "a165c70c0293a575696e74389101c4010701000200")
+
+
+def test_version_1_records_are_read():
+    gidx, row = F.decode_record(V1_RECORD)
+    assert gidx == 5 and row == {"t": RawTensor("int16", [2], b"\x01\x00\x02\x00"),
+                                 "o": {"s": "x", "e": RawTensor("uint8", [1], b"\x07")}}
+    with pytest.raises(DumpFormatError, match="bad record magic"):  # no key to check
+        F.decode_record(V1_RECORD, expect=(None, "key-5", None))
+
+
+def test_a_record_of_another_key_is_refused_naming_both():
+    bufs, _, _ = enc(5, {"a": T("int64", [2])})
+    rec = b"".join(bytes(b) for b in bufs)
+    assert F.decode_record(rec, expect=("train", "key-5", 1005))[0] == 5
+    assert F.decode_record(rec, expect=(None, "key-5", None))[0] == 5
+    for expect, named in [(("train", "other", 1005), "'other'"),
+                          (("train", "key-5", 77), "generation 77"),
+                          (("eval", "key-5", 1005), "'eval'")]:
+        with pytest.raises(DumpFormatError, match=f"key 'key-5'.*{named}.*another key's row"):
+            F.decode_record(rec, expect=expect, where="w")
 
 
 def test_encode_rejects_bad_values():
     with pytest.raises(ValueError, match="field 'x'"):
-        F.encode_record(1, {"x": RawTensor("int64", [3], bytes(8))})
+        enc(1, {"x": RawTensor("int64", [3], bytes(8))})
     with pytest.raises(ValueError, match="unknown dtype"):
-        F.encode_record(1, {"x": RawTensor("int128", [1], bytes(16))})
+        enc(1, {"x": RawTensor("int128", [1], bytes(16))})
     with pytest.raises(TypeError):
-        F.encode_record(1, {"x": object()})
+        enc(1, {"x": object()})
 
 
 def test_record_with_more_buffers_than_iov_max(tmp_path, monkeypatch):
     monkeypatch.setattr(fsutil, "IOV_MAX", 4)
     rows = [(i, {f"f{j}": T("uint8", [5000], i + j) for j in range(9)}) for i in range(5)]
     w = F.ShardWriter(tmp_path / "s.bin")
-    w.write_rows(rows)
+    w.write_rows(idented(rows))
     entries = w.close()
     got = dict(r for b in F.read_records(tmp_path / "s.bin", entries) for r in b)
     assert got == dict(rows)
@@ -253,8 +296,8 @@ def test_partial_writev(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "writev", short_writev)
     rows = [(i, {"a": T("uint8", [7000], i), "b": T("int64", [3], i)}) for i in range(20)]
     w = F.ShardWriter(tmp_path / "s.bin")
-    w.write_rows(rows[:10])
-    w.write_rows(rows[10:])
+    w.write_rows(idented(rows[:10]))
+    w.write_rows(idented(rows[10:]))
     entries = w.close()
     assert len(calls) > 20
     assert os.path.getsize(tmp_path / "s.bin") == w.bytes_written
@@ -267,7 +310,7 @@ def test_large_rows_use_async_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(shard_mod, "_ASYNC_MIN_BYTES", 1 << 20)
     rows = [(i, {"x": T("uint8", [300_000], i % 7)}) for i in range(20)]
     w = F.ShardWriter(tmp_path / "s.bin")
-    w.write_rows(iter(rows))
+    w.write_rows(idented(iter(rows)))
     entries = w.close()
     assert [e[0] for e in entries] == list(range(20))
     assert [e[1] for e in entries] == sorted(e[1] for e in entries)
@@ -283,7 +326,7 @@ def test_writer_exclusive_and_abort(tmp_path):
     p.unlink()
     with pytest.raises(RuntimeError):
         with F.ShardWriter(p) as w:
-            w.write_rows([(1, {"a": "x"})])
+            w.write_rows(idented([(1, {"a": "x"})]))
             raise RuntimeError("boom")
     assert not p.exists()
 
@@ -292,7 +335,7 @@ def test_fault_point_after_write(tmp_path):
     faults.configure("unit.dump.after_write:raise")
     try:
         w = F.ShardWriter(tmp_path / "s.bin")
-        w.write_rows([(1, {"a": T("int64", [2])})])
+        w.write_rows(idented([(1, {"a": T("int64", [2])})]))
         with pytest.raises(faults.InjectedFault):
             w.close()
         assert w.fd is None
@@ -303,7 +346,7 @@ def test_fault_point_after_write(tmp_path):
 def test_read_records_batches(tmp_path):
     rows = [(i, {"v": T("int64", [32], i)}) for i in range(300)]  # 256 bytes: a view
     w = F.ShardWriter(tmp_path / "s.bin")
-    w.write_rows(rows)
+    w.write_rows(idented(rows))
     entries = w.close()
     batches = list(F.read_records(tmp_path / "s.bin", list(reversed(entries))))
     assert [len(b) for b in batches] == [128, 128, 44]
@@ -318,7 +361,7 @@ def test_read_records_truncated_and_crc(tmp_path):
     rows = [(i, {"v": T("int64", [20], i)}) for i in range(5)]
     p = tmp_path / "s.bin"
     w = F.ShardWriter(p)
-    w.write_rows(rows)
+    w.write_rows(idented(rows))
     entries = w.close()
     data = bytearray(p.read_bytes())
     data[entries[2][1] + entries[2][2] - 1] ^= 0x40
@@ -335,7 +378,7 @@ def test_read_records_truncated_and_crc(tmp_path):
 
 
 def test_decode_record_validation():
-    bufs, length, crc = F.encode_record(5, {"a": T("int64", [2]), "b": "x"})
+    bufs, length, crc = enc(5, {"a": T("int64", [2]), "b": "x"})
     rec = b"".join(bufs)
     assert F.decode_record(rec)[0] == 5
     with pytest.raises(DumpFormatError, match="^here: .*expected 6"):
@@ -415,9 +458,9 @@ def _c_bad_json(d):
 
 def _c_unknown_version(d):
     m = _manifest(d)
-    m["format_version"] = 2
+    m["format_version"] = 3
     _set_manifest(d, m)
-    return r"dump_info\.json: format_version 2 .*supports \(format_version 1\)"
+    return r"dump_info\.json: format_version 3 .*supports \(format_version 2\)"
 
 
 def _c_dotdot(d):
@@ -504,7 +547,7 @@ def _c_shard_index_crc(d):
 
 def _c_row_without_record(d):
     def mutate(idx):
-        idx["rows"].append(["ghost", 999, ["dense"], None])
+        idx["rows"].append(["ghost", 999, ["dense"], None, 1999])
     _rewrite_row_index(d, mutate)
     m = _manifest(d)
     m["keys"] += 1
@@ -607,7 +650,7 @@ def test_verify_dump_names_corrupt_record(pristine, tmp_path):
 
 _FUZZ_ROW = {"a": T("int64", [3], 1), "b": T("float32", [2, 2], 2), "s": "hello",
              "o": {"t": T("int8", [2], 3)}, "z": T("uint8", [0])}
-_FUZZ_BUFS, _FUZZ_LEN, _FUZZ_CRC = F.encode_record(42, _FUZZ_ROW)
+_FUZZ_BUFS, _FUZZ_LEN, _FUZZ_CRC = enc(42, _FUZZ_ROW)
 _FUZZ_REC = b"".join(bytes(b) for b in _FUZZ_BUFS)
 
 
@@ -649,7 +692,7 @@ def test_corrupted_shard_via_read_records(tmp_path_factory, pos, xor, cut, trunc
     p = d / "s.bin"
     rows = [(i, dict(_FUZZ_ROW, i=i)) for i in range(4)]
     w = F.ShardWriter(p)
-    w.write_rows(rows)
+    w.write_rows(idented(rows))
     entries = w.close()
     raw = bytearray(p.read_bytes())
     if truncate:
@@ -680,7 +723,7 @@ def test_throughput_report(capsys):
         for _ in range(3):
             t0 = time.perf_counter()
             w = F.ShardWriter(path)
-            w.write_rows(rows)
+            w.write_rows(idented(rows))
             w.close()
             best_w = max(best_w, 256 / (time.perf_counter() - t0))
             os.unlink(path)

@@ -22,7 +22,7 @@ def journals(tmp_path):
 
 def _rows(n: int, start: int = 0, pid: str = "p"):
     return [(pid, f"k{i:05d}", start + i, frozenset({"x", "y"} if i % 3 else {"x"}),
-             {"step": i} if i % 2 else {}, None) for i in range(n)]
+             {"step": i} if i % 2 else {}, None, (7 << 40) + start + i) for i in range(n)]
 
 
 @pytest.mark.parametrize("n", [1, _UPSERT_ROWS - 1, _UPSERT_ROWS, 2 * _UPSERT_ROWS + 5])
@@ -36,6 +36,7 @@ def test_upsert_rows_across_statement_chunks(journals, n):
     assert [r[1] for r in rows] == list(range(n))
     assert all(r[2] == (["x", "y"] if i % 3 else ["x"]) for i, r in enumerate(rows))
     assert all(r[3] == ({"step": i} if i % 2 else {}) for i, r in enumerate(rows))
+    assert [r[5] for r in rows] == [(7 << 40) + i for i in range(n)]  # the generations
 
 
 def test_upsert_replaces_and_repeats_in_one_change(journals):
@@ -43,11 +44,11 @@ def test_upsert_replaces_and_repeats_in_one_change(journals):
     mj.write(MetaChange(rows=_rows(10)))
     # a key twice in one change: the later row wins, as with one statement per row
     again = _rows(_UPSERT_ROWS + 3, start=1000)
-    again.append(("p", "k00001", 5000, frozenset({"z"}), {"last": True}, 2))
+    again.append(("p", "k00001", 5000, frozenset({"z"}), {"last": True}, 2, 99))
     mj.write(MetaChange(rows=again))
     rows = {r[0]: r for r in mj.load()["partitions"]["p"]["rows"]}
     assert len(rows) == _UPSERT_ROWS + 3
-    assert rows["k00001"][1:] == [5000, ["z"], {"last": True}, 2]
+    assert rows["k00001"][1:] == [5000, ["z"], {"last": True}, 2, 99]
     assert rows["k00002"][1] == 1002
 
 
@@ -55,7 +56,7 @@ def test_tags_with_sets_and_tensors_use_the_codec(journals):
     cj, mj = journals
     tensor = RawTensor("float32", (2,), b"\x00" * 8)
     tags = [{"s": {3, 1, 2}}, {"t": tensor, "n": 1}, {"plain": "x"}]
-    mj.write(MetaChange(rows=[("p", f"k{i}", i, frozenset({"x"}), t, None)
+    mj.write(MetaChange(rows=[("p", f"k{i}", i, frozenset({"x"}), t, None, i)
                               for i, t in enumerate(tags)]))
     with cj.engine.connect() as conn:
         stored = dict(conn.exec_driver_sql("SELECT key, tag FROM meta_keys").fetchall())

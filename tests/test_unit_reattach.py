@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tqtx import faults
+from tqtx.errors import StaleRowsError
 from tqtx.storage.attach import held_report
 from tqtx.storage.unit import StorageUnit
 from tqtx.wire.peer import Peer
@@ -93,9 +94,24 @@ def _tensor(i: int) -> RawTensor:
     return RawTensor("uint8", (ROW,), bytes([i % 256]) * ROW)
 
 
-def _put(peer, rows: dict[int, dict], fresh=True):
-    body = {"rows": [[i, v] for i, v in rows.items()], "fresh": list(rows) if fresh else []}
+def _gen(i: int) -> int:
+    """The generation these tests' rows are put at: one per index."""
+    return 100 + i
+
+
+def _put(peer, rows: dict[int, dict]):
+    body = {"rows": [[i, v] for i, v in rows.items()], "gens": [_gen(i) for i in rows]}
     return peer.call("PUT_ROWS", body)
+
+
+def _get(peer, indexes: list[int], fields: list[str]):
+    return peer.call("GET_ROWS", {"indexes": indexes, "gens": [_gen(i) for i in indexes],
+                                  "fields": fields})
+
+
+def _drop(indexes: list[int]) -> list[list[int]]:
+    """A REGISTER_UNIT reply's drop list of ``indexes`` at their generations."""
+    return [[i, _gen(i)] for i in indexes]
 
 
 def _wait(cond, what: str, timeout: float = 10.0):
@@ -124,8 +140,9 @@ def _stats(peer) -> dict:
 
 
 def test_held_report_groups_field_sets():
-    rep = held_report({3: {"a": 1, "b": 2}, 5: {"b": 2, "a": 1}, 7: {"a": 1}, 9: {}})
-    assert rep["indexes"] == [3, 5, 7, 9]
+    rep = held_report({3: {"a": 1, "b": 2}, 5: {"b": 2, "a": 1}, 7: {"a": 1}, 9: {}},
+                      {3: 13, 5: 15, 7: 17, 9: 19})
+    assert rep["indexes"] == [3, 5, 7, 9] and rep["gens"] == [13, 15, 17, 19]
     assert sorted(map(tuple, rep["field_sets"])) == [(), ("a",), ("a", "b")]
     sets = [tuple(rep["field_sets"][s]) for s in rep["fields_of"]]
     assert sets == [("a", "b"), ("a", "b"), ("a",), ()]
@@ -137,7 +154,7 @@ def test_register_reports_exactly_the_rows_and_fields_held(unit, ctl, peer):
     assert _held(first) == {} and first["staged"] == []
     _put(peer, {i: {"a": _tensor(i)} for i in range(4)})
     _put(peer, {10: {"a": _tensor(10), "b": "x"}, 11: {"b": "y"}})
-    _put(peer, {2: {"b": "z"}}, fresh=False)  # adds a field to row 2
+    _put(peer, {2: {"b": "z"}})  # the same generation: adds a field to row 2
     body = _register_again(unit, ctl)
     assert _held(body) == {0: {"a"}, 1: {"a"}, 2: {"a", "b"}, 3: {"a"}, 10: {"a", "b"},
                            11: {"b"}}
@@ -148,14 +165,15 @@ def test_register_reports_exactly_the_rows_and_fields_held(unit, ctl, peer):
 def test_drop_removes_rows_and_their_bytes(unit, ctl, peer):
     _put(peer, {i: {"a": _tensor(i)} for i in range(6)})
     assert _stats(peer)["bytes"] == 6 * ROW
-    ctl.reply = {"drop": [1, 4, 99]}  # 99: not held, ignored
+    ctl.reply = {"drop": _drop([1, 4, 99]) + [[0, 7]]}  # 99: not held; 0: another generation
     _register_again(unit, ctl)
     _wait(lambda: _stats(peer)["rows"] == 4, "the drop")
     st = _stats(peer)
     assert st["bytes"] == 4 * ROW
-    with pytest.raises(KeyError, match="global index 4"):
-        peer.call("GET_ROWS", {"indexes": [0, 4], "fields": ["a"]})
-    got = peer.call("GET_ROWS", {"indexes": [0, 5], "fields": ["a"]})
+    with pytest.raises(StaleRowsError, match=r"global index\(es\) \[4\]") as ei:
+        _get(peer, [0, 4], ["a"])
+    assert ei.value.indexes == [4]
+    got = _get(peer, [0, 5], ["a"])
     assert len(got["columns"]) == 1
     # the drop ran on the request loop, not as a request: PUT_ROWS/GET_ROWS counts only
     assert "DROP_ROWS" not in st["ops"]
@@ -179,15 +197,15 @@ def test_row_put_after_the_snapshot_survives_the_drop(unit, ctl, peer):
     assert set(_held(ctl.registrations[-1])) == {0, 1, 2}
     _put(peer, {7: {"a": _tensor(7)}})            # new row, after the snapshot
     _put(peer, {1: {"a": _tensor(100)}})          # row 1 rewritten after the snapshot
-    ctl.reply = {"drop": [0, 1, 7]}  # a controller that knows none of them
+    ctl.reply = {"drop": _drop([0, 1, 7])}  # a controller that knows none of them
     ctl.release()
     t.join(10)
     _wait(lambda: _stats(peer)["rows"] == 3, "the drop")
     st = _stats(peer)
     assert st["bytes"] == 3 * ROW
-    with pytest.raises(KeyError, match="global index 0"):
-        peer.call("GET_ROWS", {"indexes": [0], "fields": ["a"]})
-    peer.call("GET_ROWS", {"indexes": [1, 2, 7], "fields": ["a"]})
+    with pytest.raises(StaleRowsError, match=r"global index\(es\) \[0\]"):
+        _get(peer, [0], ["a"])
+    _get(peer, [1, 2, 7], ["a"])
     assert unit.write_watch == []  # no watch left behind
 
 

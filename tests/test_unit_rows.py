@@ -56,7 +56,7 @@ def test_restored_records_share_dtype_and_shape_objects():
                                                                           bytes(2800))}] * 2
     got = []
     for i, row in enumerate(rows):
-        bufs, _length, _crc = F.encode_record(i, row)
+        bufs, _length, _crc = F.encode_record(i, row, gen=i, partition_id="p", key=f"k{i}")
         got.append(F.decode_record(b"".join(bytes(b) for b in bufs))[1])
     assert got[0]["x"].dtype is got[1]["y"].dtype == "float32"
     assert got[0]["x"].shape is got[1]["x"].shape is got[1]["y"].shape == (700,)
@@ -73,13 +73,13 @@ def test_a_unit_whose_last_row_is_dropped_forgets_the_shapes_its_rows_shared():
     try:
         values.forget_shapes()
         rows = _put_rows(3)
-        u.put_rows({"rows": [[i, r] for i, r in enumerate(rows)]}, None)
+        u.put_rows({"rows": [[i, r] for i, r in enumerate(rows)], "gens": [10, 11, 12]}, None)
         assert (300,) in values._SHAPES and (1000,) in values._SHAPES
-        u.drop_rows({"indexes": [0, 1]}, None)
+        u.drop_rows({"indexes": [0, 1], "gens": [10, 11]}, None)
         assert (300,) in values._SHAPES and len(u.rows) == 1  # a row still shares them
-        assert u.drop_rows({"indexes": [2, 7]}, None) == {"dropped": 1}
+        assert u.drop_rows({"indexes": [2, 7], "gens": [12, 17]}, None) == {"dropped": 1}
         assert values._SHAPES == {} and u.rows == {} and u.bytes_held == 0
-        u.put_rows({"rows": [[5, _put_rows(1)[0]]]}, None)  # and it goes on working
+        u.put_rows({"rows": [[5, _put_rows(1)[0]]], "gens": [15]}, None)  # and it goes on working
         assert u.rows[5]["a"].shape == (300,) and (300,) in values._SHAPES
     finally:
         u.server.socket.close(linger=0)

@@ -11,17 +11,21 @@ import logging
 import os
 import time
 
-from . import paths
+from . import faults, paths
 from . import format as fmt
 from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError
 from .journal.store import DumpJournal
 from .version import __version__
 from .wire.codec import packb, unpackb
+from .wire.columns import pack_int64
 from .wire.peer import call_many
 from .wire.rpc import new_id
 
-FORMAT_VERSION = 1
+# Version 2: unit files hold version 2 records (naming partition, key and generation) and
+# controller.msgpack rows carry the generation; version 1 checkpoints are still loaded.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "checkpoint_info.json"
 METADATA = "metadata.json"  # TransferQueue's layout: {"storage_saved", "user_metadata"}
 
@@ -52,6 +56,8 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
     # fails early on non-JSON metadata
     user_meta = json.dumps({"storage_saved": True, "user_metadata": metadata or {}}, indent=2)
     snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
+    faults.hit("client.checkpoint.after_snapshot")
+    per_unit = _unit_requests(snap["metadata"], client.num_units)
     with dump_lock(ckpt_dir):
         recover_publications(ckpt_dir)
         paths.check_publish_target(ckpt_dir, "checkpoint")  # again, now under the lock
@@ -60,8 +66,10 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
             try:
                 units_dir = pub.staging_dir / "units"
                 units_dir.mkdir()
-                replies = client.fan_out("SAVE_CHECKPOINT", {
-                    u: {"path": str(units_dir / f"unit-{u}.bin")} for u in range(client.num_units)})
+                for u, body in per_unit.items():
+                    body["path"] = str(units_dir / f"unit-{u}.bin")
+                replies = client.fan_out("SAVE_CHECKPOINT", per_unit)
+                _leave_out_missing(snap["metadata"], replies)
                 units = []
                 for u, r in sorted(replies.items()):
                     idx = _write(units_dir / f"unit-{u}.index", packb(r["entries"]))
@@ -85,6 +93,39 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
             "seconds": time.perf_counter() - t0}
 
 
+def _unit_requests(meta: dict, num_units: int) -> dict[int, dict]:
+    """Per unit, the SAVE_CHECKPOINT request naming the rows of ``meta`` (the controller's
+    snapshot) it holds: index, generation, key and partition of every row with fields that
+    is not lost."""
+    partitions = list(meta["partitions"])
+    cols = {u: ([], [], [], []) for u in range(num_units)}
+    for p, pid in enumerate(partitions):
+        for key, idx, fields, _tag, lost, gen in meta["partitions"][pid]["rows"]:
+            if fields and lost is None:
+                c = cols[idx % num_units]
+                c[0].append(idx)
+                c[1].append(gen)
+                c[2].append(key)
+                c[3].append(p)
+    return {u: {"indexes": pack_int64(c[0]), "gens": pack_int64(c[1]), "keys": c[2],
+                "part_of": pack_int64(c[3]), "partitions": partitions}
+            for u, c in cols.items()}
+
+
+def _leave_out_missing(meta: dict, replies: dict) -> None:
+    """Drop from ``meta`` the keys whose rows a unit no longer held at the snapshot's
+    generation: cleared (or cleared and put again) after the controller's snapshot, they
+    are absent from the checkpoint, as if it had been taken after the clear."""
+    missing = {i for r in replies.values() for i in r.get("missing", ())}
+    if not missing:
+        return
+    for pid, data in list(meta["partitions"].items()):
+        data["rows"] = [r for r in data["rows"] if r[1] not in missing]
+        if not data["rows"]:
+            del meta["partitions"][pid]
+    log.info("save_checkpoint: %d keys cleared while it ran are left out", len(missing))
+
+
 def _read_checked(path, entry: dict) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -98,9 +139,11 @@ def _read_checked(path, entry: dict) -> bytes:
     return data
 
 
-def _verify_records(path: str, entries) -> None:
-    """Check every record's checksum before any unit replaces its rows (a unit finding a
-    corrupt record mid-load would leave the other units already loaded)."""
+def _verify_records(path: str, entries, idents: dict | None) -> None:
+    """Check every record's checksum, and with ``idents`` (``{global_index: (partition_id,
+    key, generation)}``, version 2 checkpoints) that it names the row the metadata says,
+    before any unit replaces its rows (a unit finding a corrupt record mid-load would leave
+    the other units already loaded)."""
     try:
         with open(path, "rb") as f:
             for gidx, offset, length, crc in entries:
@@ -109,6 +152,13 @@ def _verify_records(path: str, entries) -> None:
                 if len(data) != length or fmt.checksum(data) != crc:
                     raise DumpFormatError(f"{path}: record of global index {gidx} is truncated "
                                           f"or its checksum does not match")
+                if idents is not None:
+                    ident = idents.get(gidx)
+                    if ident is None:
+                        raise DumpFormatError(f"{path}: record of global index {gidx}: no key "
+                                              f"of controller.msgpack has that index")
+                    fmt.decode_record(data, expected_gidx=gidx, expect=ident,
+                                      where=f"{path}: record of global index {gidx}")
     except FileNotFoundError:
         raise DumpNotFoundError(f"{path}: missing", path) from None
     except OSError as exc:
@@ -125,11 +175,11 @@ def load(client, ckpt_dir: str) -> dict:
             raise DumpNotFoundError(f"checkpoint directory not found: {ckpt_dir}", ckpt_dir)
         mpath = os.path.join(ckpt_dir, MANIFEST)
         manifest = _read_json(mpath, "missing (not a tqtx checkpoint)")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            version = manifest.get("format_version")
+        version = manifest.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise DumpFormatError(f"{mpath}: format_version {version} is not supported (this "
-                                  f"tqtx reads {FORMAT_VERSION}; Unsupported checkpoint format "
-                                  f"version {version})")
+                                  f"tqtx reads {', '.join(map(str, READABLE_VERSIONS))}; "
+                                  f"Unsupported checkpoint format version {version})")
         saved = _read_metadata(ckpt_dir)
         if manifest["num_units"] != client.num_units:
             raise ValueError(f"unit count mismatch: checkpoint {ckpt_dir} was saved with "
@@ -137,6 +187,10 @@ def load(client, ckpt_dir: str) -> dict:
                              f"{client.num_units}")
         meta = unpackb(_read_checked(os.path.join(ckpt_dir, "controller.msgpack"),
                                      manifest["controller"]))
+        idents = None
+        if version >= 2:
+            idents = {r[1]: (pid, r[0], r[5]) for pid, data in meta["partitions"].items()
+                      for r in data["rows"]}
         per_unit = {}
         for entry in manifest["units"]:
             rel = entry["file"]
@@ -150,7 +204,7 @@ def load(client, ckpt_dir: str) -> dict:
             if os.path.getsize(path) != entry["size"]:
                 raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
                                       f"{MANIFEST} ({entry['size']})")
-            _verify_records(path, entries)
+            _verify_records(path, entries, idents)
             per_unit[entry["unit"]] = {"path": path, "entries": entries}
         # The controller refuses while a restore is unresolved, before any unit is touched.
         client.controller.call("CHECKPOINT_SNAPSHOT", {})

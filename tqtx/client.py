@@ -5,33 +5,19 @@ import os
 import threading
 import time
 
-from . import faults, result_layout
-from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, TqtxError
+from . import faults, get_path, put_path
+from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, \
+    StaleRowsError, TqtxError
 from .wire import shm
 from .wire.peer import CONNECT_TIMEOUT, Peer, call_many
 from .wire.rpc import DEFAULT_TIMEOUT, new_id
 from .wire.columns import unpack_column  # noqa: F401  (re-exported)
+from .get_path import Column  # noqa: F401  (re-exported)
 from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
-
-
-class Column(list):
-    """Per-row values of one field, plus the packed buffers they view (``chunks``:
-    ``[(positions, RawTensor of bytes)]`` or reply files) so a dense column can be built in
-    one copy, or the ``plan`` whose buffer holds every row (a same-host get copied into
-    this process; the values are None)."""
-
-    def __init__(self, values):
-        super().__init__(values)
-        self.chunks: list = []
-        self.plan = None
 
 
 # Unit requests that may be sent again, to a unit's new address, after it died.
 IDEMPOTENT_UNIT_OPS = frozenset({"GET_ROWS", "GET_INTO", "GET_STATS", "STATS", "PING"})
-# Same-host gets whose rows changed between their two steps are asked again this often,
-# then once more with every column in messages.
-INTO_ATTEMPTS = 3
-
 CONTROLLER_HINT = ("Restart the controller (or the whole deployment); a dump or restore it "
                    "was running is settled by the next access or tqtx.recover_data_load(dump_dir)")
 
@@ -40,10 +26,6 @@ RECONNECT_TIMEOUT = float(os.environ.get("TQTX_RECONNECT_TIMEOUT", "30"))
 # Only a controller found gone is waited for: one that is alive but slow (a timeout)
 # is reported as before.
 _CONTROLLER_LOST = (PeerDiedError,)
-
-
-class _ControllerRestarted(Exception):
-    """A put step met a new controller incarnation: the put is redone from ALLOC."""
 
 
 class _ControllerPeer(Peer):
@@ -296,91 +278,37 @@ class Client:
                                   timeout=timeout, raise_first=False)
                 for i, r in zip(moved, again):
                     results[i] = r
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            # A stale row is raised only when no unit failed otherwise: the caller then
+            # knows every unit has answered (and retries the request).
+            raise next((e for e in errors if not isinstance(e, StaleRowsError)), errors[0])
         return dict(zip(uids, results))
 
     # ---------------------------------------------------------------- kv
+    def drop_rows(self, rows) -> None:
+        """DROP_ROWS of ``(index, generation)`` pairs on their units."""
+        per_unit: dict[int, dict] = {}
+        for idx, gen in rows:
+            req = per_unit.setdefault(idx % self.num_units, {"indexes": [], "gens": []})
+            req["indexes"].append(idx)
+            req["gens"].append(gen)
+        if per_unit:
+            self.fan_out("DROP_ROWS", per_unit)
+
+    # ---------------------------------------------------------------- the row paths
     def put_columns(self, keys: list[str], pid: str, columns: dict[str, list],
                     schemas: dict[str, dict], tags: list | None) -> list[str]:
-        """Store rows (columns of per-row values) for ``keys``; returns the common fields.
+        """Store rows for ``keys``; returns the common fields (:func:`tqtx.put_path.put_columns`)."""
+        return put_path.put_columns(self, keys, pid, columns, schemas, tags)
 
-        ALLOC, PUT_ROWS to the units, COMMIT_PUT. If the controller goes away during the
-        put, it is waited for (:meth:`await_controller`): the same controller is asked
-        again by request ID; a new one (which forgot the uncommitted ALLOC) gets the whole
-        put once more from ALLOC with the same values, which has the same effect as one
-        put. Unit and validation errors are never retried."""
-        what = f"putting {len(keys)} key(s) in partition {pid!r}"
-        try:
-            return self._put_once(keys, pid, columns, schemas, tags, what)
-        except _ControllerRestarted:
-            pass
-        try:
-            return self._put_once(keys, pid, columns, schemas, tags, what)
-        except _ControllerRestarted:
-            raise PeerDiedError(
-                f"the controller at {self.address} restarted twice while {what}; none of "
-                f"its keys is committed by this call: put them again") from None
+    def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False,
+                 direct=False, alloc=None):
+        """(keys found, columns, schemas) in request order (:func:`tqtx.get_path.get_rows`)."""
+        return get_path.get_rows(self, keys, pid, select_fields, lenient=lenient,
+                                 direct=direct, alloc=alloc)
 
-    def _put_step(self, op: str, body: dict, incarnation, what: str, outcome: str):
-        """One controller request of a put, sent to controller ``incarnation``; raises
-        _ControllerRestarted if the controller came back as another incarnation."""
-        rid = new_id()
-        try:
-            return self.controller.call(op, body, rid=rid)
-        except _CONTROLLER_LOST:
-            topo = self.await_controller(what, outcome=outcome)
-        if incarnation is None or topo.get("incarnation") != incarnation:
-            raise _ControllerRestarted(op)
-        try:  # the same process: its reply cache answers if it acted on the first copy
-            return self.controller.call(op, body, rid=rid)
-        except _CONTROLLER_LOST:
-            raise _ControllerRestarted(op) from None
-
-    def _put_once(self, keys, pid, columns, schemas, tags, what) -> list[str]:
-        alloc = self._put_step("ALLOC", {"partition_id": pid, "keys": keys, "schemas": schemas},
-                               self.controller_incarnation, what,
-                               "none of its keys was stored or committed")
-        topology = alloc.get("topology")
-        incarnation = None if topology is None else topology >> 32
-        indexes = alloc["indexes"]
-        nbytes = 0
-        if columns:
-            fresh = set(alloc["fresh"])
-            per_unit: dict[int, dict] = {}
-            names = list(columns)
-            cols = [columns[f] for f in names]
-            for i, idx in enumerate(indexes):
-                req = per_unit.get(idx % self.num_units)
-                if req is None:
-                    req = per_unit[idx % self.num_units] = {"rows": [], "fresh": []}
-                req["rows"].append([idx, {f: c[i] for f, c in zip(names, cols)}])
-                if idx in fresh:
-                    req["fresh"].append(idx)
-            replies = self.fan_out("PUT_ROWS", per_unit)
-            nbytes = sum(r.get("bytes", 0) for r in replies.values())
-        elif alloc["fresh"]:
-            per_unit = {}
-            for idx in alloc["fresh"]:
-                per_unit.setdefault(idx % self.num_units, {"rows": [], "fresh": []})["fresh"].append(idx)
-            self.fan_out("PUT_ROWS", per_unit)
-        faults.hit("client.put.before_commit")
-        outcome = ("its rows are on the units but its commit may not have been applied: put "
-                   "the keys again (the same put twice has the effect of one) or see kv_list")
-        try:
-            res = self._put_step("COMMIT_PUT", {"partition_id": pid, "keys": keys,
-                                                "fields": list(columns), "tags": tags},
-                                 incarnation, what, outcome)
-        except KeyError:  # KeysNotFoundError, or the partition ALLOC created is unknown
-            # Sent to a controller restarted since ALLOC (the socket reconnects by itself)?
-            # It forgot the uncommitted keys: then the put is redone.
-            topo = self.await_controller(what, outcome=outcome)
-            if incarnation is not None and topo.get("incarnation") != incarnation:
-                raise _ControllerRestarted("COMMIT_PUT") from None
-            raise
-        self.count("puts", len(keys), nbytes)
-        return res["fields"]
+    reply_files = staticmethod(get_path.reply_files)
 
     def get_columns(self, keys: list[str], pid: str, select_fields=None):
         """Fetch rows in request order: returns (columns, schemas)."""
@@ -402,104 +330,6 @@ class Client:
                     self._inbox = None
             return self._inbox
 
-    def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False,
-                 direct=False, alloc=None):
-        """(keys found, columns, schemas) in request order. ``lenient`` (TransferQueue's
-        results): unknown keys, and fields not produced for every key, are left out.
-        ``direct``: units on this host may hand tensor columns over outside the messages
-        (see :mod:`tqtx.wire.shm`), such a column's rows are then ``None``: with ``alloc``
-        (see :meth:`tqtx.result_layout.ColumnPlan.open`) and where the kernel allows it,
-        they copy them into buffers it makes (the column's ``plan`` holds them), else they
-        write reply files (its ``chunks`` hold :class:`shm.FileRows`; see
-        :meth:`reply_files`). For :func:`tqtx.tensors.tensordict_from_columns`."""
-        body = {"partition_id": pid, "keys": keys, "select_fields": select_fields}
-        if lenient:
-            body["lenient"] = True
-        meta = self.call_controller("LOOKUP", body, what=f"looking up {len(keys)} key(s) in "
-                                                         f"partition {pid!r}")
-        keys = meta.get("keys", keys)
-        fields, indexes = meta["fields"], meta["indexes"]
-        columns = {f: Column([None] * len(keys)) for f in fields}
-        if not fields:
-            return keys, columns, meta["schemas"]
-        per_unit: dict[int, dict] = {}
-        positions: dict[int, list[int]] = {}
-        for pos, idx in enumerate(indexes):
-            u = idx % self.num_units
-            req = per_unit.get(u)
-            if req is None:
-                req = per_unit[u] = {"indexes": [], "fields": fields}
-            req["indexes"].append(idx)
-            positions.setdefault(u, []).append(pos)
-        inbox = self.reply_inbox() if direct else None
-        peers = [self.unit(u) for u in per_unit]
-        before = sum(p.bytes_received + p.header_bytes_received for p in peers)
-        for attempt in range(INTO_ATTEMPTS + 1):
-            into = inbox is not None and alloc is not None and attempt < INTO_ATTEMPTS \
-                and result_layout.into_usable(self)
-            hint = inbox.hint_for(new_id(), into=into) if inbox is not None else None
-            if hint is not None:
-                for req in per_unit.values():
-                    req["shm"] = hint
-            try:
-                replies = self.fan_out("GET_ROWS", per_unit)
-            except BaseException:
-                if hint is not None:  # units that answered may have written their files
-                    inbox.discard_get(hint["get"])
-                raise
-            got = result_layout.get_into(self, per_unit, positions, replies, len(keys),
-                                         alloc) if into else (replies, [None] * len(fields))
-            if got is not None:
-                replies, plans = got
-                break
-        self.count("gets", len(keys), sum(p.bytes_received + p.header_bytes_received
-                                          for p in peers) - before)
-        files = [r["file"] for r in replies.values() if "file" in r]
-        opened = []
-        try:
-            for name in files:
-                opened.append(shm.ReplyFile(inbox.open_reply(name)))
-        except (OSError, ValueError) as exc:
-            for f in opened:
-                f.close()
-            raise TqtxError(f"could not open a reply file of this get: {exc}") from exc
-        finally:
-            if hint is not None:  # e.g. the file of a unit asked again after it died
-                inbox.discard_get(hint["get"])
-        opened = dict(zip(files, opened))
-        for f, plan in zip(fields, plans):
-            columns[f].plan = plan
-        for u, reply in replies.items():
-            pos = positions[u]
-            for f, col, plan in zip(fields, reply["columns"], plans):
-                if "i" in col:  # the unit copied these rows into the plan's buffer
-                    continue
-                out = columns[f]
-                if "s" in col:
-                    dtype, shapes, offset = col["s"]
-                    out.chunks.append((pos, shm.FileRows(dtype, shapes,
-                                                         opened[reply["file"]], offset)))
-                    continue
-                values = unpack_column(col)
-                if plan is not None:
-                    plan.fill(pos, values)
-                    continue
-                for p, v in zip(pos, values):
-                    out[p] = v
-                if "p" in col:
-                    out.chunks.append((pos, col["p"][2]))
-        return keys, columns, meta["schemas"]
-
-    @staticmethod
-    def reply_files(columns: dict) -> list:
-        """The reply files a ``direct`` get's columns read from (close them when done)."""
-        found = {}
-        for col in columns.values():
-            for _, src in getattr(col, "chunks", ()):
-                if isinstance(src, shm.FileRows):
-                    found[id(src.file)] = src.file
-        return list(found.values())
-
     def list_keys(self, pid=None) -> dict:
         return self.call_controller("LIST", {"partition_id": pid}, what="listing keys")
 
@@ -509,11 +339,8 @@ class Client:
             what=f"clearing {len(keys)} key(s) of partition {pid!r}",
             outcome="the keys may or may not be cleared: kv_clear them again (it is idempotent)")
         freed = res["freed"]
-        if freed:
-            per_unit: dict[int, dict] = {}
-            for idx in freed:
-                per_unit.setdefault(idx % self.num_units, {"indexes": []})["indexes"].append(idx)
-            self.fan_out("DROP_ROWS", per_unit)
+        faults.hit("client.clear.before_drop")
+        self.drop_rows(zip(freed, res["gens"]))
         return len(freed)
 
     def count(self, kind: str, rows: int = 0, nbytes: int = 0) -> None:

@@ -58,6 +58,21 @@ class RowsLostError(KeyError, TqtxError):
                 "units": [[k, u] for k, u in self.units.items()]}
 
 
+class StaleRowsError(TqtxError):
+    """A unit holds no row of the generation a request named at some global indexes: the
+    key there was cleared, or its index reused by another key, since the controller
+    answered (see docs/architecture.md, "The row fence"). The unit serves none of the
+    request; the client asks the controller again and retries, so callers never see this.
+    ``indexes``: the stale global indexes."""
+
+    def __init__(self, message: str = "", indexes=()):
+        self.indexes = list(indexes)
+        super().__init__(message or f"stale rows at global indexes {self.indexes[:20]}")
+
+    def to_dict(self) -> dict:
+        return {"indexes": self.indexes}
+
+
 class _MessageError(TqtxError):
     """A tqtx error whose ``str`` is its message, unquoted even when it is a KeyError."""
 

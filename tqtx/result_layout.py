@@ -15,6 +15,7 @@ from math import prod
 
 import numpy as np
 
+from .errors import StaleRowsError
 from .wire import vmcopy
 from .wire.columns import NUMPY_DTYPE, unpack_column
 from .wire.values import DTYPE_SIZES, RawTensor
@@ -182,6 +183,12 @@ def get_into(client, per_unit: dict, positions: dict, replies: dict, n: int, all
                 if p is not None:
                     p.close()
             return None
+    except StaleRowsError:
+        # Raised only once every unit answered (Client.fan_out): none is still copying.
+        for p in plans:
+            if p is not None:
+                p.close()
+        raise
     except BaseException:
         # A unit that timed out may still be copying: its buffers are kept, never reused.
         client.unsettled_results.extend(p.memory for p in plans

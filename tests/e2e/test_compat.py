@@ -231,15 +231,12 @@ def test_schema_conflict_on_load_is_a_runtime_error(tq_shared, pid, tmp_path):
 
 
 def test_key_error_messages_cross_the_wire_once(tq_shared, pid):
-    tq.kv_put("a", pid, {"x": torch.ones(1)})
     client = tq.get_client()
-    idx = client.controller.call("LOOKUP", {"partition_id": pid, "keys": ["a"],
-                                            "select_fields": None})["indexes"][0]
-    uid = idx % client.num_units
-    with pytest.raises(KeyError) as ei:  # a plain KeyError raised inside the unit
-        client.unit(uid).call("GET_ROWS", {"indexes": [idx], "fields": ["nope"]})
+    with pytest.raises(KeyError) as ei:  # a plain KeyError raised inside the controller
+        client.controller.call("TAKE_DUMP_TAGS", {"dump_id": "no-such-dump"})
     assert type(ei.value) is KeyError
-    assert ei.value.args == (f"unit {uid}: row {idx} has no field 'nope'",)
+    assert ei.value.args[0].startswith("the controller holds no tags for background dump "
+                                       "no-such-dump")
 
 
 def test_error_classes_survive_the_wire_mapping():

@@ -66,7 +66,7 @@ def test_shard_writer_error_keeps_errno_and_names_the_shard(monkeypatch, tmp_pat
     path = tmp_path / "unit-0.bin"
     with pytest.raises(OSError) as ei:
         with fmt.ShardWriter(path) as w:
-            w.write_rows([(0, {"x": b"payload"})])
+            w.write_rows([(0, {"x": b"payload"}, 1, "p", "k")])
     assert ei.value.errno == errno.ENOSPC and isinstance(ei.value.__cause__, OSError)
     assert ei.value.filename == str(path) and "writing shard" in str(ei.value)
     assert not path.exists()  # aborted

@@ -18,6 +18,7 @@ import tqtx as tq
 from tqtx.wire import codec
 
 EXT_FRAME, EXT_INLINE = codec.EXT_TENSOR_FRAME, codec.EXT_TENSOR_INLINE
+GEN = 1 << 62  # the generation of the hostile puts' rows: above any the controller gives
 
 
 def _req(op, body, rid=None):
@@ -27,7 +28,7 @@ def _req(op, body, rid=None):
 
 def _tensor_req(ext, index=10 ** 9):
     return msgpack.packb({"op": "PUT_ROWS", "rid": uuid.uuid4().hex,
-                          "body": {"rows": [[index, {"x": ext}]], "fresh": []}},
+                          "body": {"rows": [[index, {"x": ext}]], "gens": [GEN]}},
                          use_bin_type=True)
 
 
@@ -56,7 +57,10 @@ def _cases(marker: str) -> dict:
         "body_wrong_type": [_req("PUT_ROWS", [1, 2])],
         "body_is_tensor": [pk({"op": "GET_ROWS", "rid": "x",
                                "body": ext(EXT_INLINE, pk(["uint8", [1], b"\x00"]))})],
-        "rows_wrong_shape": [_req("PUT_ROWS", {"rows": [[1, "not a dict"]], "fresh": []})],
+        "rows_wrong_shape": [_req("PUT_ROWS", {"rows": [[1, "not a dict"]], "gens": [GEN]})],
+        "gens_missing": [_req("PUT_ROWS", {"rows": [[1, {}]]})],
+        "gens_torn": [_req("PUT_ROWS", {"rows": [[1, {}]], "gens": [GEN, GEN]})],
+        "gens_not_ints": [_req("GET_ROWS", {"indexes": [1], "gens": ["a"], "fields": []})],
         "rows_not_pairs": [_req("PUT_ROWS", {"rows": [1, 2, 3]})],
         "indexes_wrong": [_req("GET_ROWS", {"indexes": "abc", "fields": 7})],
         "alloc_unhashable": [_req("LOOKUP", {"partition_id": ["x"], "keys": [[1]]})],
@@ -153,13 +157,15 @@ def test_malformed_frames_get_error_replies(tq_shared, pid, target, tmp_path):
     if target == "unit":
         # no hostile put left a row behind at the (absurd) index it named
         client = tq.get_client()
-        with pytest.raises(KeyError):
-            client.unit(0).call("GET_ROWS", {"indexes": [10 ** 9], "fields": ["x"]})
-        stored = client.unit(0).call("GET_ROWS", {"indexes": [10 ** 9 + 1], "fields": ["x"]})
+        with pytest.raises(tq.StaleRowsError):
+            client.unit(0).call("GET_ROWS", {"indexes": [10 ** 9], "gens": [GEN],
+                                             "fields": ["x"]})
+        stored = client.unit(0).call("GET_ROWS", {"indexes": [10 ** 9 + 1], "gens": [GEN],
+                                                  "fields": ["x"]})
         from tqtx.client import unpack_column
         value = unpack_column(stored["columns"][0])[0]
         assert bytes(value.data) == pickle.dumps(_Marker(str(marker)))
-        client.unit(0).call("DROP_ROWS", {"indexes": [10 ** 9 + 1]})
+        client.unit(0).call("DROP_ROWS", {"indexes": [10 ** 9 + 1], "gens": [GEN]})
         assert not marker.exists()
 
 
@@ -212,16 +218,24 @@ def test_torn_dump_snapshot_columns_are_refused(tq_shared):
     from tqtx.wire.columns import pack_int64
     unit = tq.get_client().unit(2)
     dump_id = f"torn-{uuid.uuid4().hex[:6]}"
+    g = pack_int64([GEN])
     bad = [
-        ({"indexes": pack_int64([2, 6]), "fields_of": pack_int64([0]), "field_sets": [["x"]]},
+        ({"indexes": pack_int64([2, 6]), "fields_of": pack_int64([0]), "field_sets": [["x"]],
+          "gens": pack_int64([GEN, GEN]), "keys": ["a", "b"]},
          "2 indexes but 1 field-set numbers"),
-        ({"indexes": pack_int64([2]), "fields_of": pack_int64([3]), "field_sets": [["x"]]},
+        ({"indexes": pack_int64([2, 6]), "fields_of": pack_int64([0, 0]),
+          "field_sets": [["x"]], "gens": g, "keys": ["a", "b"]},
+         "2 indexes but 2 field-set numbers, 1 generations"),
+        ({"indexes": pack_int64([2]), "fields_of": pack_int64([3]), "field_sets": [["x"]],
+          "gens": g, "keys": ["a"]},
          "field-set number outside the 1 field sets"),
-        ({"indexes": b"\x00" * 12, "fields_of": [], "field_sets": []}, "int64 column of 12"),
+        ({"indexes": b"\x00" * 12, "fields_of": [], "field_sets": [], "gens": [], "keys": []},
+         "int64 column of 12"),
     ]
     for body, message in bad:
         with pytest.raises(ValueError, match=message):
-            unit.call("DUMP_SNAPSHOT", {"dump_id": dump_id, **body}, timeout=10)
+            unit.call("DUMP_SNAPSHOT", {"dump_id": dump_id, "partition_id": "p", **body},
+                      timeout=10)
     assert dump_id not in unit.call("STATS", timeout=10)["open_dumps"]
 
 
@@ -235,6 +249,7 @@ def test_dump_that_asks_for_an_index_beside_a_misnamed_shard_is_refused(tq_share
     path = tmp_path / "shards" / "unit-1.bin"  # unit 1's name, sent to unit 2
     path.parent.mkdir()
     body = {"dump_id": dump_id, "indexes": pack_int64([]), "fields_of": pack_int64([]),
+            "gens": pack_int64([]), "keys": [], "partition_id": "p",
             "field_sets": [], "path": str(path), "index": True}
     with pytest.raises(ValueError, match="not the shard of unit 2"):
         unit.call("DUMP_ROWS", body, timeout=10)

@@ -17,7 +17,7 @@ from itertools import repeat
 from .. import faults
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, \
     SchemaConflictError
-from ..journal.meta import CHECKPOINT_LOAD, MetaChange
+from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange
 from ..wire.columns import pack_int64
 from ..wire.peer import call_many
 from ..schema import check_schema_compatible
@@ -86,21 +86,37 @@ class KVRequests:
         if plan is not None and (part is None or any(
                 k not in part.keys and k not in part.pending for k in keys)):
             raise self._pending_error(plan, f"creating keys in partition {pid!r}")
-        indexes, fresh = self.meta.alloc(pid, keys, schemas)
-        return {"indexes": indexes, "fresh": fresh, "topology": self.topology_incarnation}
+        indexes, gens = self.meta.alloc(pid, keys, schemas)
+        return {"indexes": indexes, "gens": gens, "topology": self.topology_incarnation}
 
     def commit_put(self, body, req):
         """Publish the fields (and merge the tags) of rows the units now hold.
 
-        The fields' schemas were validated and merged by ALLOC, before any unit wrote.
+        The fields' schemas were validated and merged by ALLOC, before any unit wrote. With
+        ``gens`` (the generations ALLOC gave), a key that no longer holds its generation
+        (cleared, or cleared and created again, since ALLOC) makes the whole commit a no-op
+        answered ``{"stale": keys}``: the client redoes the put from ALLOC.
         """
-        pid = body["partition_id"]
+        pid, keys = body["partition_id"], body["keys"]
+        gens = body.get("gens")
+        if gens is not None:
+            stale = self.meta.stale_keys(self.meta.partition(pid), keys, gens)
+            if stale:
+                return {"stale": stale}
         change, updates, common = self.meta.plan_commit(
-            pid, body["keys"], body.get("fields") or [], body.get("tags"))
+            pid, keys, body.get("fields") or [], body.get("tags"))
         self._journal_meta("commit_put", change)
         self.meta.apply_commit(pid, updates)
         faults.hit("controller.meta.commit_put.before_reply")
         return {"fields": common}
+
+    def abort_put(self, body, req):
+        """A put that failed after ALLOC: forget the pending keys it created (those still
+        at the generations ALLOC gave), so nothing of it stays; returns their ``[index,
+        generation]`` pairs for the client to drop on the units. In memory only (pending
+        keys are never journaled)."""
+        part = self.meta.partition(body["partition_id"])
+        return {"abandoned": self.meta.abandon_pending(part, body["keys"], body["gens"])}
 
     def lookup(self, body, req):
         """Indexes, fields and schemas of ``keys``. With ``lenient`` (TransferQueue's
@@ -136,9 +152,9 @@ class KVRequests:
                     raise FieldsNotFoundError(
                         f"select_fields: field {f!r} not found: it was not produced for keys "
                         f"{shown} in partition {pid!r}")
-        return {"indexes": indexes, "fields": fields, "keys": keys,
-                "schemas": {f: part.schema[f] for f in fields}, "num_units": self.num_units,
-                "topology": self.topology_incarnation}
+        return {"indexes": indexes, "gens": part.gens_of(indexes), "fields": fields,
+                "keys": keys, "schemas": {f: part.schema[f] for f in fields},
+                "num_units": self.num_units, "topology": self.topology_incarnation}
 
     def list_keys(self, body, req):
         """Visible keys (lost ones included) with their tags, per partition."""
@@ -155,13 +171,13 @@ class KVRequests:
             raise self._pending_error(plan, f"clearing partition {pid!r}")
         part = self.meta.partition(pid)
         if part is None:
-            return {"freed": []}
+            return {"freed": [], "gens": []}
         change, gone = self.meta.plan_clear(part, body["keys"])
         if gone:
             self._journal_meta("clear", change)
-        freed = self.meta.apply_clear(part, gone)
+        freed, gens = self.meta.apply_clear(part, gone)
         faults.hit("controller.meta.clear.before_reply")
-        return {"freed": freed}
+        return {"freed": freed, "gens": gens}
 
     # ---------------------------------------------------------------- dump
     def describe_rows(self, body, req):
@@ -173,8 +189,8 @@ class KVRequests:
         part = self.meta.partition(pid)
         if part is None or not part.keys:
             if not keys:
-                return {"indexes": [], "field_sets": [], "fields_of": [], "tags": [],
-                        "field_schema": {}, "num_units": self.num_units,
+                return {"indexes": [], "gens": [], "field_sets": [], "fields_of": [],
+                        "tags": [], "field_schema": {}, "num_units": self.num_units,
                         "topology": self.topology_incarnation}
             raise PartitionNotFoundError(f"partition {pid!r} does not exist (not found)")
         indexes = part.indexes_of(keys)
@@ -188,14 +204,16 @@ class KVRequests:
             set_ids[obj] = sid
             field_sets.append(sorted(obj))
         used = sorted(set().union(*field_sets)) if field_sets else []
+        gens = map(part.gens.__getitem__, indexes)
         if body.get("packed"):  # int64 columns as raw bytes: no per-row msgpack work
-            indexes = pack_int64(indexes)
+            indexes, gens = pack_int64(indexes), pack_int64(gens)
             fields_of = bytes(8 * len(objs)) if len(set_ids) == 1 else \
                 pack_int64(map(set_ids.__getitem__, objs))  # one set: all zero
         else:
+            gens = list(gens)
             fields_of = [0] * len(objs) if len(set_ids) == 1 else \
                 list(map(set_ids.__getitem__, objs))
-        out = {"indexes": indexes, "field_sets": field_sets, "fields_of": fields_of,
+        out = {"indexes": indexes, "gens": gens, "field_sets": field_sets, "fields_of": fields_of,
                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
                "topology": self.topology_incarnation}
         hold = body.get("hold_tags")
@@ -246,6 +264,8 @@ class KVRequests:
         """Replace all metadata with a checkpoint's; with ``load_id`` (the units staged that
         checkpoint) also switch the units to it.
 
+        The checkpoint's rows get generations of this controller: the row at index ``i``
+        takes ``gen_base + i``, here and on its unit (APPLY_CHECKPOINT carries the base).
         The journaled metadata, with a ``checkpoint_load`` marker, is the decision; then the
         units switch (APPLY_CHECKPOINT) and the marker goes. A controller restarted in
         between finds the marker and rolls the switch forward as units re-register
@@ -253,21 +273,24 @@ class KVRequests:
         self._refuse_if_restoring("load_checkpoint")
         self._require_units("load_checkpoint")
         snap, load_id = body["metadata"], body.get("load_id")
-        change = self.meta.plan_replace(snap)
+        gen_base = self.meta.take_gens(self.meta.gen_span(snap))
+        change = self.meta.plan_replace(snap, gen_base)
         if load_id:
-            change.markers = {CHECKPOINT_LOAD: load_id}
+            change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
         self._journal_meta("checkpoint_replace", change)
-        self.meta.replace(snap)
+        self.meta.replace(snap, gen_base)
         if load_id:
-            self.checkpoint_load = load_id
-            self._switch_units(load_id)
+            self.checkpoint_load = (load_id, gen_base)
+            self._switch_units()
         faults.hit("controller.meta.checkpoint_replace.before_reply")
         return {"ok": True}
 
-    def _switch_units(self, load_id: str) -> None:
+    def _switch_units(self) -> None:
         """APPLY_CHECKPOINT on every unit; the marker goes once all have switched."""
+        load_id, gen_base = self.checkpoint_load
         uids = [u for u in range(self.num_units) if u in self.unit_peers]
-        results = call_many([(self.unit_peers[u], "APPLY_CHECKPOINT", {"load_id": load_id})
+        results = call_many([(self.unit_peers[u], "APPLY_CHECKPOINT",
+                              {"load_id": load_id, "gen_base": gen_base})
                              for u in uids], raise_first=False, timeout=60)
         failed = {u: r for u, r in zip(uids, results) if isinstance(r, BaseException)}
         failed.update({u: "not registered" for u in range(self.num_units)
@@ -280,5 +303,6 @@ class KVRequests:
         self._checkpoint_switched()
 
     def _checkpoint_switched(self) -> None:
-        self._journal_meta("checkpoint_replace", MetaChange(markers={CHECKPOINT_LOAD: None}))
+        self._journal_meta("checkpoint_replace", MetaChange(
+            markers={CHECKPOINT_LOAD: None, CHECKPOINT_GEN_BASE: None}))
         self.checkpoint_load = None

@@ -8,6 +8,16 @@ a restarted controller replays exactly what clients were told.
 A key is *pending* between ALLOC and COMMIT_PUT (in memory only, never listed or read: a put
 that dies half-way leaves nothing visible) and *lost* when the unit that held its row came back
 without it (listed, not readable, see :class:`~tqtx.errors.RowsLostError`).
+
+**Generations (the row fence).** Every allocated global index carries the *generation* of the
+key incarnation that holds it (:attr:`Metadata.gens`): a number given once, when a key is
+created at an index (ALLOC of a new key, a restore's new key, a checkpoint load), and never
+given again in the state dir's life -- ``incarnation << GEN_SHIFT`` plus a counter, so a
+restarted controller's generations are larger than every earlier one. Overwrites of a key
+keep its generation. Units hold each row with its generation and serve, overwrite or drop a
+row only for the generation a request names (docs/architecture.md, "The row fence"), so a
+request that raced a clear and the index's reuse by another key can never touch that key's
+row.
 """
 from __future__ import annotations
 
@@ -19,12 +29,17 @@ from ..schema import check_schema_compatible, merge_schema
 
 EMPTY: frozenset = frozenset()
 
+# Generations are ``incarnation << GEN_SHIFT | counter``: 2**40 keys per controller
+# incarnation, 2**23 incarnations of a state dir in an int64.
+GEN_SHIFT = 40
+
 
 class Partition:
-    __slots__ = ("pid", "keys", "fields", "tags", "schema", "pending", "lost")
+    __slots__ = ("pid", "keys", "fields", "tags", "schema", "pending", "lost", "gens")
 
-    def __init__(self, pid: str):
+    def __init__(self, pid: str, gens: dict[int, int]):
         self.pid = pid
+        self.gens = gens                      # Metadata.gens (shared): index -> generation
         self.keys: dict[str, int] = {}        # visible keys -> global index
         self.fields: dict[int, frozenset[str]] = {}  # shared objects (Metadata.share)
         self.tags: dict[str, dict] = {}
@@ -54,17 +69,25 @@ class Partition:
         """The journal row of visible ``key``."""
         idx = self.keys[key]
         return (self.pid, key, idx, self.fields.get(idx, ()), self.tags.get(key),
-                self.lost.get(idx) if lost is None else lost)
+                self.lost.get(idx) if lost is None else lost, self.gens[idx])
+
+    def gens_of(self, indexes) -> list[int]:
+        """The generations of ``indexes`` (allocated ones), in order."""
+        return list(map(self.gens.__getitem__, indexes))
 
 
 class Metadata:
     """All partitions plus the global index namespace (shared, freed indexes reused)."""
 
-    def __init__(self):
+    def __init__(self, incarnation: int = 0):
         self.partitions: dict[str, Partition] = {}
         self.next_index = 0
         self.free: list[int] = []          # min-heap of freed indexes
         self.reserved: dict[int, str] = {}  # index -> restore_id holding it
+        # index -> generation of every allocated index (visible, pending or reserved)
+        self.gens: dict[int, int] = {}
+        self.next_gen = incarnation << GEN_SHIFT
+        self.gen_limit = (incarnation + 1) << GEN_SHIFT
         # Rows' field sets are frozensets, one object per distinct set (never changed in
         # place): per-row work that depends on the fields (DESCRIBE, journal encoding) is
         # done once per object.
@@ -78,7 +101,7 @@ class Metadata:
     def partition(self, pid: str, *, create: bool = False) -> Partition | None:
         part = self.partitions.get(pid)
         if part is None and create:
-            part = self.partitions[pid] = Partition(pid)
+            part = self.partitions[pid] = Partition(pid, self.gens)
         return part
 
     def require(self, pid: str) -> Partition:
@@ -103,8 +126,27 @@ class Metadata:
         return out
 
     def release(self, indexes) -> None:
+        gens = self.gens
         for i in indexes:
+            gens.pop(i, None)
             heapq.heappush(self.free, i)
+
+    def take_gens(self, n: int) -> int:
+        """The first of ``n`` new consecutive generations (never given before)."""
+        first = self.next_gen
+        if first + n > self.gen_limit:
+            raise OverflowError(f"this controller incarnation gave out all its {1 << GEN_SHIFT} "
+                                f"row generations; restart the controller")
+        self.next_gen = first + n
+        return first
+
+    def allocate_rows(self, n: int) -> tuple[list[int], list[int]]:
+        """``n`` free indexes, each with a new generation (recorded in :attr:`gens`)."""
+        indexes = self.allocate(n)
+        first = self.take_gens(n)
+        gens = list(range(first, first + n))
+        self.gens.update(zip(indexes, gens))
+        return indexes, gens
 
     def validate_schemas(self, part: Partition | None, schemas: dict) -> None:
         if part is None:
@@ -119,7 +161,8 @@ class Metadata:
 
     # ---------------------------------------------------------------- put
     def alloc(self, pid: str, keys: list[str], schemas: dict) -> tuple[list[int], list[int]]:
-        """Indexes of ``keys`` (new keys become pending) and the freshly allocated ones.
+        """Indexes and generations of ``keys`` (new keys become pending, at new indexes
+        with new generations).
 
         Schemas of new fields are registered now, so a concurrent put of the same field with
         another dtype is refused here, before it writes anything."""
@@ -128,18 +171,52 @@ class Metadata:
             part.schema[field] = merge_schema(part.schema.get(field), schema)
         new_keys = [k for k in dict.fromkeys(keys)
                     if k not in part.keys and k not in part.pending]
-        fresh = self.allocate(len(new_keys))
-        part.pending.update(zip(new_keys, fresh))
+        if new_keys:
+            part.pending.update(zip(new_keys, self.allocate_rows(len(new_keys))[0]))
         known, pending = part.keys, part.pending
-        return [known[k] if k in known else pending[k] for k in keys], fresh
+        indexes = [known[k] if k in known else pending[k] for k in keys]
+        return indexes, part.gens_of(indexes)
+
+    def stale_keys(self, part: Partition | None, keys: list[str], gens) -> list[str]:
+        """Those of ``keys`` that no longer hold the generation ``gens`` names (visible or
+        pending): cleared, or cleared and created again, since ALLOC."""
+        if part is None:
+            return list(dict.fromkeys(keys))
+        out = []
+        known, pending, current = part.keys, part.pending, self.gens
+        for key, gen in zip(keys, gens):
+            idx = known.get(key)
+            if idx is None:
+                idx = pending.get(key)
+            if idx is None or current.get(idx) != gen:
+                out.append(key)
+        return list(dict.fromkeys(out))
+
+    def abandon_pending(self, part: Partition | None, keys: list[str], gens) -> list[list[int]]:
+        """Forget the pending keys among ``keys`` that still hold ``gens`` (a put that
+        failed): ``[index, generation]`` of each, its index freed."""
+        if part is None:
+            return []
+        out = []
+        for key, gen in zip(keys, gens):
+            idx = part.pending.get(key)
+            if idx is not None and self.gens.get(idx) == gen:
+                del part.pending[key]
+                out.append([idx, gen])
+        self.release(idx for idx, _ in out)
+        if not part.keys and not part.pending:
+            del self.partitions[part.pid]
+        return out
 
     def plan_commit(self, pid: str, keys: list[str], fields: list[str], tags) -> tuple:
-        """(change, updates, common fields) of COMMIT_PUT; memory is left as it is."""
+        """(change, updates, common fields) of COMMIT_PUT; memory is left as it is. The
+        keys must be visible or pending (see :meth:`stale_keys`)."""
         part = self.require(pid)
         change = MetaChange(next_index=self.next_index)
         updates: dict[str, list] = {}  # key -> [idx, fields, tag, was pending]
         written = frozenset(fields)
         merged: dict[int, frozenset] = {}  # id(old field set) -> it | written, shared
+        gens = self.gens
         for i, key in enumerate(keys):
             upd = updates.get(key)
             if upd is None:
@@ -157,7 +234,8 @@ class Metadata:
                 upd = updates[key] = [idx, new, part.tags.get(key), pending]
             if tags is not None and tags[i]:
                 upd[2] = {**(upd[2] or {}), **tags[i]}
-        change.rows = [(pid, k, u[0], u[1], u[2] or {}, None) for k, u in updates.items()]
+        change.rows = [(pid, k, u[0], u[1], u[2] or {}, None, gens[u[0]])
+                       for k, u in updates.items()]
         change.schemas = [(pid, f, part.schema[f]) for f in dict.fromkeys(fields)
                           if f in part.schema]
         common = frozenset.intersection(*merged.values()) if merged else EMPTY
@@ -181,7 +259,8 @@ class Metadata:
             change.dropped = [part.pid]
         return change, gone
 
-    def apply_clear(self, part: Partition, gone: list[str]) -> list[int]:
+    def apply_clear(self, part: Partition, gone: list[str]) -> tuple[list[int], list[int]]:
+        """Remove ``gone``; returns their freed indexes and the generations those held."""
         freed = []
         for key in gone:
             idx = part.keys.pop(key)
@@ -189,101 +268,118 @@ class Metadata:
             part.tags.pop(key, None)
             part.lost.pop(idx, None)
             freed.append(idx)
+        gens = part.gens_of(freed)
         self.release(freed)
         if not part.keys and not part.pending:
             del self.partitions[part.pid]
-        return freed
+        return freed, gens
 
     # ---------------------------------------------------------------- restore publish
     def plan_publish(self, pid: str, rows: list, field_schema: dict) -> tuple[MetaChange, dict]:
         """Change and new schemas of publishing a committed restore's ``rows``
-        (``[key, index, fields, tag, is_new]``)."""
+        (:class:`tqtx.plan.RestoreRow`)."""
         part = self.partition(pid)
         schema = dict(part.schema) if part is not None else {}
         for field, s in field_schema.items():
             schema[field] = merge_schema(schema.get(field), s)
         change = MetaChange(next_index=self.next_index,
                             schemas=[(pid, f, schema[f]) for f in field_schema])
-        for key, idx, fields, tag, is_new in rows:
+        for r in rows:
+            key, idx, fields, tag, is_new, gen = r.key, r.index, r.fields, r.tag, r.is_new, r.gen
             if is_new or part is None or key not in part.keys or idx in part.lost:
                 new_fields, new_tag = self.share(fields), dict(tag or {})
             else:
                 new_fields = self.share(part.fields.get(idx, EMPTY).union(fields))
                 new_tag = {**part.tags.get(key, {}), **(tag or {})} if tag else \
                     part.tags.get(key, {})
-            change.rows.append((pid, key, idx, new_fields, new_tag, None))
+            change.rows.append((pid, key, idx, new_fields, new_tag, None, gen))
         return change, schema
 
     def apply_publish(self, pid: str, change: MetaChange, schema: dict) -> None:
         part = self.partition(pid, create=True)
         part.schema = schema
-        for _pid, key, idx, fields, tag, _lost in change.rows:
+        for _pid, key, idx, fields, tag, _lost, gen in change.rows:
             part.pending.pop(key, None)
             part.keys[key] = idx
             part.fields[idx] = fields
             part.tags[key] = tag
             part.lost.pop(idx, None)
+            self.gens[idx] = gen
 
     # ---------------------------------------------------------------- unit re-attach
-    def known_indexes(self) -> set[int]:
-        """Every index a unit's row may legitimately sit at: visible, pending or reserved."""
-        known = set(self.reserved)
-        for part in self.partitions.values():
-            known.update(part.keys.values())
-            known.update(part.pending.values())
-        return known
-
     def plan_lost(self, uid: int, num_units: int, held: dict) -> MetaChange:
         """Rows unit ``uid`` should hold (produced fields) but does not list in ``held``
-        (``{index: set of fields}``) become lost on it."""
+        (``{index: (generation, set of fields)}``) with their generation become lost on it."""
         change = MetaChange()
+        gens, none = self.gens, (None, frozenset())
         for part in self.partitions.values():
             fields, lost = part.fields, part.lost
             for key, idx in part.keys.items():
                 if idx % num_units != uid or idx in lost:
                     continue
                 produced = fields.get(idx)
-                if produced and not produced <= held.get(idx, frozenset()):
+                if not produced:
+                    continue
+                gen, have = held.get(idx, none)
+                if gen != gens[idx] or not produced <= have:
                     change.rows.append(part.row(key, lost=uid))
         return change
 
     def apply_lost(self, change: MetaChange) -> None:
-        for pid, _key, idx, _fields, _tag, uid in change.rows:
+        for pid, _key, idx, _fields, _tag, uid, _gen in change.rows:
             self.partitions[pid].lost[idx] = uid
 
     # ---------------------------------------------------------------- snapshots
     def snapshot(self) -> dict:
-        """Visible metadata (checkpoints): a lost row carries its unit as a 5th element."""
+        """Visible metadata (checkpoints): rows ``[key, index, fields, tag, lost unit or
+        None, generation]``."""
+        gens = self.gens
+
         def rows(p):
-            out = []
-            for k, i in p.keys.items():
-                row = [k, i, sorted(p.fields.get(i, ())), p.tags.get(k)]
-                if i in p.lost:
-                    row.append(p.lost[i])
-                out.append(row)
-            return out
+            lost = p.lost
+            return [[k, i, sorted(p.fields.get(i, ())), p.tags.get(k), lost.get(i), gens[i]]
+                    for k, i in p.keys.items()]
         return {
             "next_index": self.next_index,
             "free": sorted(self.free),
             "partitions": {p.pid: {"schema": p.schema, "rows": rows(p)} for p in self.visible()},
         }
 
-    def plan_replace(self, snap: dict) -> MetaChange:
-        """The journal change that replaces everything with checkpoint ``snap``."""
+    def plan_replace(self, snap: dict, gen_base: int) -> MetaChange:
+        """The journal change that replaces everything with checkpoint ``snap``, the row
+        at index ``i`` taking generation ``gen_base + i`` (see :meth:`replace`)."""
         change = MetaChange(replace=True, next_index=int(snap["next_index"]))
         for pid, data in snap["partitions"].items():
             change.schemas.extend((pid, f, s) for f, s in data["schema"].items())
             for row in data["rows"]:
                 key, idx, fields, tag = row[:4]
                 change.rows.append((pid, key, idx, fields, tag or {},
-                                    row[4] if len(row) > 4 else None))
+                                    row[4] if len(row) > 4 else None, gen_base + idx))
         return change
 
-    def replace(self, snap: dict) -> None:
-        """Load ``snap`` (a checkpoint's, or the journal's with ``free`` derived)."""
+    @staticmethod
+    def gen_span(snap: dict) -> int:
+        """How many generations :meth:`replace` with a ``gen_base`` uses for ``snap``: one
+        per index below its highest."""
+        top = int(snap["next_index"])
+        for data in snap["partitions"].values():
+            for row in data["rows"]:
+                top = max(top, row[1] + 1)
+        return top
+
+    def replace(self, snap: dict, gen_base: int | None = None) -> None:
+        """Load ``snap`` (a checkpoint's, or the journal's with ``free`` derived).
+
+        The row at index ``i`` gets generation ``gen_base + i`` when ``gen_base`` is given
+        (a checkpoint load: its rows get generations of this controller, the units the same
+        ones), else the generation the snapshot holds (the journal's own), or a new one for
+        a row that has none (written before generations existed)."""
         self.partitions.clear()
         self.reserved.clear()
+        self.gens.clear()
         self.next_index = int(snap["next_index"])
+        gens = self.gens
+        unversioned = []
         used = []
         shared: dict[tuple, frozenset] = {}
         for pid, data in snap["partitions"].items():
@@ -300,7 +396,16 @@ class Metadata:
                 part.tags[key] = tag if tag is not None else {}
                 if len(row) > 4 and row[4] is not None:
                     part.lost[idx] = row[4]
+                if gen_base is not None:
+                    gens[idx] = gen_base + idx
+                elif len(row) > 5 and row[5] is not None:
+                    gens[idx] = row[5]
+                else:
+                    unversioned.append(idx)
                 used.append(idx)
+        if unversioned:
+            first = self.take_gens(len(unversioned))
+            gens.update(zip(unversioned, range(first, first + len(unversioned))))
         if used:
             self.next_index = max(self.next_index, max(used) + 1)
         if "free" in snap:

@@ -27,6 +27,7 @@ import logging
 from .. import faults
 from .. import states as st
 from ..errors import RestorePendingError
+from ..plan import RedoItem, RestoreRow
 from ..states import IllegalTransition
 from ..wire import codec
 from ..wire.peer import call_many
@@ -47,15 +48,14 @@ class RestorePlan:
     """In-memory side of an unresolved restore (the journal holds its state)."""
 
     def __init__(self, restore_id, partition_id, dump_dir, rows, field_schema, units, new_indexes,
-                 srcs=None, dump_id=None):
+                 dump_id=None):
         self.restore_id = restore_id
         self.partition_id = partition_id
         self.dump_dir = dump_dir
-        self.rows = rows                  # [key, dest_index, fields, tag, is_new]
+        self.rows: list[RestoreRow] = rows
         self.field_schema = field_schema
         self.units = units
         self.new_indexes = new_indexes
-        self.srcs = srcs or [None] * len(rows)  # per row: its global index in the dump
         self.dump_id = dump_id
         self.apply_rids: dict[int, str] = {}
         self.redo: set[int] = set()             # units to roll forward from the dump
@@ -63,29 +63,34 @@ class RestorePlan:
         self.last_error: dict[int, BaseException] = {}
         self._packed: bytes | None = None
 
-    _FIELDS = ("restore_id", "partition_id", "dump_dir", "rows", "field_schema", "units",
-               "new_indexes", "srcs", "dump_id")
+    _FIELDS = ("restore_id", "partition_id", "dump_dir", "field_schema", "units",
+               "new_indexes", "dump_id")
 
     def encode(self) -> bytes:
         """The plan as stored with the commit decision (msgpack; encoded once: these
         fields do not change after BEGIN_RESTORE)."""
         if self._packed is None:
-            self._packed = codec.packb({f: getattr(self, f) for f in self._FIELDS})
+            d = {f: getattr(self, f) for f in self._FIELDS}
+            d["rows"] = [r.to_wire() for r in self.rows]
+            self._packed = codec.packb(d)
         return self._packed
 
     @classmethod
     def decode(cls, data: bytes) -> "RestorePlan":
         d = codec.unpackb(data)
-        return cls(*(d[f] for f in cls._FIELDS))
+        return cls(d["restore_id"], d["partition_id"], d["dump_dir"],
+                   [RestoreRow.from_wire(r) for r in d["rows"]], d["field_schema"], d["units"],
+                   d["new_indexes"], d["dump_id"])
 
     def redo_items(self, uid: int, num_units: int) -> list | None:
-        """[dest, fresh, src] of the rows unit ``uid`` holds; None if a source is unknown."""
+        """The REDO_RESTORE items of the rows unit ``uid`` holds; None if a source is
+        unknown."""
         items = []
-        for (_key, idx, fields, _tag, is_new), src in zip(self.rows, self.srcs):
-            if fields and idx % num_units == uid:
-                if src is None:
+        for r in self.rows:
+            if r.fields and r.index % num_units == uid:
+                if r.src is None:
                     return None
-                items.append([idx, is_new, src])
+                items.append(RedoItem(r.index, r.gen, r.src).to_wire())
         return items
 
 
@@ -132,28 +137,33 @@ class RestoreProtocol:
         part = self.meta.partition(pid)
         rows_in = body["rows"]
         new_keys = [r[0] for r in rows_in if part is None or r[0] not in part.keys]
-        new_idx = self.meta.allocate(len(new_keys))
-        new_map = dict(zip(new_keys, new_idx))
-        rows, units, srcs = [], set(), []
+        new_idx, new_gens = self.meta.allocate_rows(len(new_keys))
+        new_map = dict(zip(new_keys, zip(new_idx, new_gens)))
+        rows, units = [], set()
         for row in rows_in:
             key, fields, tag = row[:3]
             # [key, fields, tag, src]: src (the row's global index in the dump) lets a unit
             # that lost its staged rows re-read them after the commit decision
-            srcs.append(int(row[3]) if len(row) > 3 and row[3] is not None else None)
-            is_new = key in new_map
-            idx = new_map[key] if is_new else part.keys[key]
-            rows.append([key, idx, fields, tag, is_new])
+            src = int(row[3]) if len(row) > 3 and row[3] is not None else None
+            new = new_map.get(key)
+            if new is None:
+                idx = part.keys[key]
+                plan_row = RestoreRow(key, idx, fields, tag, False, self.meta.gens[idx], src)
+            else:
+                plan_row = RestoreRow(key, new[0], fields, tag, True, new[1], src)
+            rows.append(plan_row)
             if fields:
-                units.add(idx % self.num_units)
+                units.add(plan_row.index % self.num_units)
         for idx in new_idx:
             self.meta.reserved[idx] = rid
         plan = RestorePlan(rid, pid, body["dump_dir"], rows, body["field_schema"], sorted(units),
-                           new_idx, srcs, body.get("dump_id"))
+                           new_idx, body.get("dump_id"))
         try:
             self.journal.begin_restore(
                 restore_id=rid, partition_id=pid, dump_dir=body["dump_dir"],
                 dump_id=body.get("dump_id"), incarnation_id=self.incarnation, units=plan.units,
-                keys=len(rows), rows=sum(1 for r in rows if r[2]), bytes=int(body.get("bytes", 0)))
+                keys=len(rows), rows=sum(1 for r in rows if r.fields),
+                bytes=int(body.get("bytes", 0)))
         except BaseException:
             self._release(plan)
             raise
@@ -166,8 +176,9 @@ class RestoreProtocol:
         return self._plan_reply(plan)
 
     def _plan_reply(self, plan: RestorePlan) -> dict:
-        return {"restore_id": plan.restore_id, "indexes": [r[1] for r in plan.rows],
-                "new": [r[4] for r in plan.rows], "units": plan.units,
+        return {"restore_id": plan.restore_id, "indexes": [r.index for r in plan.rows],
+                "new": [r.is_new for r in plan.rows], "gens": [r.gen for r in plan.rows],
+                "units": plan.units,
                 "num_units": self.num_units, "incarnation": self.incarnation,
                 "topology": self.topology_incarnation}
 
@@ -449,13 +460,16 @@ class RestoreProtocol:
         rec = self.journal.get_restore(rid)
         reason = f"{rec.get('reason') or 'redo_failed'}; given up (recover_data_load cancel=True)"
         self.journal.finish_restore(rid, st.FAILED, reason[:2000])
-        by_unit: dict[int, list[int]] = {}
-        for idx in plan.new_indexes:
-            by_unit.setdefault(idx % self.num_units, []).append(idx)
+        by_unit: dict[int, dict] = {}
+        for r in plan.rows:
+            if r.is_new:
+                drop = by_unit.setdefault(r.index % self.num_units, {"indexes": [], "gens": []})
+                drop["indexes"].append(r.index)
+                drop["gens"].append(r.gen)
         calls = [(self.unit_peers[u], "DROP_STAGED", {"restore_id": rid})
                  for u in plan.units if u in self.unit_peers]
-        calls += [(self.unit_peers[u], "DROP_ROWS", {"indexes": idx})
-                  for u, idx in sorted(by_unit.items()) if u in self.unit_peers]
+        calls += [(self.unit_peers[u], "DROP_ROWS", drop)
+                  for u, drop in sorted(by_unit.items()) if u in self.unit_peers]
         if calls:
             call_many(calls, raise_first=False, timeout=3)
         self._release(plan)

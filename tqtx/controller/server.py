@@ -72,10 +72,11 @@ class Controller(KVRequests, RestoreProtocol):
         self.journal = ControllerJournal(self.state_dir)
         self.incarnation = self.journal.start_incarnation(
             pid=os.getpid(), host=socket.gethostname(), address=self.address, version=__version__)
-        self.meta = Metadata()
+        self.meta = Metadata(self.incarnation)
         self.held_tags = HeldTags()
         self.restores: dict[str, RestorePlan] = {}
-        self.checkpoint_load: str | None = None  # a load_checkpoint whose switch is open
+        # a load_checkpoint whose switch is open: (load ID, its rows' generation base)
+        self.checkpoint_load: tuple[str, int] | None = None
         self.metajournal = MetaJournal(self.journal.engine, durability)
         self.recovered = replay(self)
         # After replaying a buffer, new rows wait until every unit has re-registered (and
@@ -95,7 +96,8 @@ class Controller(KVRequests, RestoreProtocol):
         for op, fn, mutating in [
             ("PING", self.ping, False), ("REGISTER_UNIT", self.register_unit, True),
             ("TOPOLOGY", self.topology, False), ("ALLOC", self.alloc, True),
-            ("COMMIT_PUT", self.commit_put, True), ("LOOKUP", self.lookup, False),
+            ("COMMIT_PUT", self.commit_put, True), ("ABORT_PUT", self.abort_put, True),
+            ("LOOKUP", self.lookup, False),
             ("LIST", self.list_keys, False), ("CLEAR", self.clear, True),
             ("DESCRIBE_ROWS_BY_KEY", self.describe_rows, False),
             ("TAKE_DUMP_TAGS", self.take_dump_tags, True),
@@ -135,14 +137,15 @@ class Controller(KVRequests, RestoreProtocol):
         held = body.get("held")
         stale = False  # the unit holds rows from before a checkpoint it never switched to
         if self.checkpoint_load:
+            load_id = self.checkpoint_load[0]
             ck = body.get("checkpoint") or {}
-            if ck.get("applied") != self.checkpoint_load:
-                if ck.get("staged") == self.checkpoint_load:
+            if ck.get("applied") != load_id:
+                if load_id in (ck.get("staged") or ()):
                     return self._switch_first(uid)
                 stale = True
         drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
         if stale and held:
-            drop = list(held.get("indexes") or ())
+            drop = [[i, g] for i, g in zip(held.get("indexes") or (), held.get("gens") or ())]
         self.awaiting_units.discard(uid)
         if self.checkpoint_load and not self.awaiting_units:
             self._checkpoint_switched()
@@ -159,10 +162,10 @@ class Controller(KVRequests, RestoreProtocol):
         restarted after deciding it) that staged the checkpoint but has not switched: switch,
         then report again. A unit with neither (it restarted) is reconciled as empty, and the
         rows it still holds, from before the checkpoint, are dropped (register_unit)."""
-        log.info("unit %d: switching to checkpoint load %s before it reports", uid,
-                 self.checkpoint_load)
+        load_id, gen_base = self.checkpoint_load
+        log.info("unit %d: switching to checkpoint load %s before it reports", uid, load_id)
         return {"incarnation": self.incarnation, "drop": [], "drop_staged": [],
-                "apply_checkpoint": self.checkpoint_load}
+                "apply_checkpoint": load_id, "gen_base": gen_base}
 
     def _require_units(self, what: str) -> None:
         """ControllerRecoveringError while a replayed buffer waits for units to re-register.
@@ -187,24 +190,24 @@ class Controller(KVRequests, RestoreProtocol):
             return False
         return True
 
-    def _reconcile(self, uid: int, held) -> tuple[list[int], int]:
-        """Compare what unit ``uid`` holds with the metadata: rows it should hold and does not
-        become lost (journaled); rows no key, pending put or restore accounts for are returned
-        for the unit to drop. A unit that reports nothing (``held`` None) is left alone."""
+    def _reconcile(self, uid: int, held) -> tuple[list[list[int]], int]:
+        """Compare what unit ``uid`` holds with the metadata: rows it should hold (at their
+        generation) and does not become lost (journaled); rows of a generation no key,
+        pending put or restore accounts for are returned (``[index, generation]``) for the
+        unit to drop. A unit that reports nothing (``held`` None) is left alone."""
         if held is None:
             return [], 0
         sets = [frozenset(f) for f in held.get("field_sets") or ()]
-        have = dict(zip(held.get("indexes") or (), (sets[i] for i in held.get("fields_of") or ())))
+        indexes, gens = held.get("indexes") or (), held.get("gens") or ()
+        have = dict(zip(indexes, zip(gens, (sets[i] for i in held.get("fields_of") or ()))))
         change = self.meta.plan_lost(uid, self.num_units, have)
         if change:
             self._journal_meta("unit_lost", change)
             self.meta.apply_lost(change)
             log.error("unit %d came back without %d rows it held; they are marked lost "
                       "(RowsLostError on read; kv_list still lists them)", uid, len(change.rows))
-        known = self.meta.known_indexes()
-        for plan in self.restores.values():
-            known.update(r[1] for r in plan.rows)
-        return [i for i in have if i not in known], len(change.rows)
+        known = self.meta.gens  # every allocated index: visible, pending, reserved
+        return [[i, g] for i, g in zip(indexes, gens) if known.get(i) != g], len(change.rows)
 
     def topology(self, body, req):
         ready = len(self.units) == self.num_units and not self._awaiting()

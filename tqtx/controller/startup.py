@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .. import states as st
 from ..publish import dump_lock, recover_publications
 from ..errors import DumpFormatError
+from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import find_dump_journal
 from .restores import RestorePlan
@@ -30,7 +31,9 @@ def replay(ctl) -> list[dict]:
     t0 = time.perf_counter()
     snap = ctl.metajournal.load()
     ctl.meta.replace(snap)
-    ctl.checkpoint_load = (snap.get("markers") or {}).get("checkpoint_load")
+    markers = snap.get("markers") or {}
+    if markers.get(CHECKPOINT_LOAD):
+        ctl.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))
     keys = sum(len(p["rows"]) for p in snap["partitions"].values())
     if keys:
         log.warning("startup: replayed %d keys in %d partitions (%d lost rows) from the journal "
@@ -45,8 +48,10 @@ def replay(ctl) -> list[dict]:
             continue
         plan = RestorePlan.decode(data)
         ctl.restores[plan.restore_id] = plan
+        gen_of = {r.index: r.gen for r in plan.rows}
         for idx in plan.new_indexes:
             ctl.meta.reserved[idx] = plan.restore_id
+            ctl.meta.gens[idx] = gen_of[idx]
             reserved.add(idx)
         ctl.meta.next_index = max([ctl.meta.next_index, *(i + 1 for i in plan.new_indexes)])
     if reserved:

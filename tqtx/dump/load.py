@@ -21,6 +21,7 @@ from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
 from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
 from ..paths import controller_journal_path, controller_lock_path
+from ..plan import LoadItem
 from ..schema import validate_row
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
@@ -181,7 +182,8 @@ def _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0) -> dict:
     names: dict = {}  # shard path -> its text, once per shard
     num_units = plan["num_units"]
     read_bytes = 0
-    for (key, src, fields, _tag), dest, new in zip(index.rows, plan["indexes"], plan["new"]):
+    src_gens = index.gens
+    for (key, src, fields, _tag), dest, gen in zip(index.rows, plan["indexes"], plan["gens"]):
         if not fields:
             continue
         path, offset, length, crc = locations[src]
@@ -193,8 +195,9 @@ def _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0) -> dict:
         if items is None:
             items = items_of[u] = []
             per_unit[u] = {"restore_id": rid, "unit_id": u, "field_schema": index.field_schema,
-                           "items": items}
-        items.append([dest, bool(new), name, offset, length, crc, src])
+                           "format_version": index.version, "items": items}
+        items.append(LoadItem(dest, gen, name, offset, length, crc, src, key,
+                              src_gens.get(src)).to_wire())
         read_bytes += length
     uids = sorted(per_unit)
     # Only the controller can conclude this restore: if it dies or restarts while the
@@ -258,8 +261,10 @@ def _load_via_client(client, dump_dir: str, partition_id, t0) -> dict:
     by_src = {src: (key, fields, tag) for key, src, fields, tag in index.rows}
     rows_by_key: dict[str, dict] = {}
     read_bytes = 0
+    idents = index.record_idents()
     for shard in index.shards:
-        for batch in fmt.read_records(shard["path"], shard["records"], batch=128):
+        for batch in fmt.read_records(shard["path"], shard["records"], batch=128,
+                                      expect=idents):
             for src, row in batch:
                 key, fields, _tag = by_src[src]
                 validate_row(row, index.field_schema, where=f"{shard['path']} global index {src}")

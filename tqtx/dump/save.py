@@ -7,11 +7,15 @@ publishes the staging directory crash-safely (see :mod:`tqtx.publish`).
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 
 from .. import faults, paths
 from .. import format as fmt
+from ..fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
+from ..get_path import read_rows
+from ..errors import StaleRowsError
 from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
 from ..validate import check_utf8
@@ -198,7 +202,8 @@ def _describe(client, handle: DumpHandle, keys: list[str], pid: str, via: str, *
     if hold_tags:
         body["hold_tags"] = handle.dump_id
     desc = client.controller.call("DESCRIBE_ROWS_BY_KEY", body)
-    per_unit = _per_unit(client, handle.dump_id, desc) if via == "units" else {}
+    faults.hit("client.dump.after_describe")
+    per_unit = _per_unit(client, handle.dump_id, pid, keys, desc) if via == "units" else {}
     return desc, per_unit
 
 
@@ -214,8 +219,9 @@ def _column(values):
     return np.asarray(unpack_int64(values), dtype=np.int64)
 
 
-def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
-    """Group the rows with fields by owner unit (``client.owner``: index mod units),
+def _per_unit(client, dump_id: str, pid: str, keys: list[str], desc: dict) -> dict[int, dict]:
+    """Group the rows with fields by owner unit (``client.owner``: index mod units), each
+    with the generation the unit must hold it at and its key (the records name both);
     vectorized: no Python work per row, which matters on a background dump's call path."""
     import numpy as np
 
@@ -223,6 +229,8 @@ def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
     idx, sid = _column(desc["indexes"]), _column(desc["fields_of"])
     if not len(idx):
         return {}
+    gens = _column(desc["gens"])
+    names = np.asarray(keys, dtype=object)
     has_fields = np.asarray([bool(fs) for fs in field_sets])[sid]  # fieldless: row index only
     owner = idx % client.num_units
     per_unit = {}
@@ -230,10 +238,40 @@ def _per_unit(client, dump_id: str, desc: dict) -> dict[int, dict]:
         sel = has_fields & (owner == u)
         if not sel.any():
             continue
-        per_unit[u] = {"dump_id": dump_id, "unit_id": u,
+        per_unit[u] = {"dump_id": dump_id, "unit_id": u, "partition_id": pid,
                        "indexes": idx[sel].astype(NUMPY_DTYPE).tobytes(),
+                       "gens": gens[sel].astype(NUMPY_DTYPE).tobytes(),
+                       "keys": names[sel].tolist(),
                        "fields_of": sid[sel].astype(NUMPY_DTYPE).tobytes(), "field_sets": field_sets}
     return per_unit
+
+
+def _moved(keys: list[str], desc: dict, exc: StaleRowsError) -> list[str]:
+    """The keys of ``desc``'s rows at the indexes a StaleRowsError names."""
+    stale = set(exc.indexes)
+    return [k for k, i in zip(keys, _column(desc["indexes"]).tolist()) if i in stale]
+
+
+def _snapshot(client, handle: DumpHandle, keys: list[str], pid: str, via: str, desc: dict,
+              per_unit: dict) -> tuple[dict, dict]:
+    """A background dump's snapshots (DUMP_SNAPSHOT on every owner unit), each of the rows
+    at the generations DESCRIBE named: a row that moved since (its key cleared, or cleared
+    and put again) makes the dump describe its keys again (at most FENCE_ATTEMPTS times).
+    Returns the description the snapshots hold."""
+    for attempt in range(FENCE_ATTEMPTS):
+        try:
+            client.fan_out("DUMP_SNAPSHOT", per_unit)
+            return desc, per_unit
+        except StaleRowsError as exc:
+            _cancel_units(client, handle.dump_id, per_unit)  # those that did snapshot
+            moved = _moved(keys, desc, exc)
+        except BaseException:
+            _cancel_units(client, handle.dump_id, per_unit)
+            raise
+        if attempt + 1 < FENCE_ATTEMPTS:
+            fence_pause(attempt + 1)
+            desc, per_unit = _describe(client, handle, keys, pid, via, hold_tags=True)
+    raise stale_keys_error("dump_data_by_key", moved, pid)
 
 
 def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, described,
@@ -248,11 +286,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
             if handle.background and per_unit:
                 # The caller gets control back once every owner unit holds its snapshot;
                 # the staging directory and the writing happen after that.
-                try:
-                    client.fan_out("DUMP_SNAPSHOT", per_unit)
-                except BaseException:
-                    _cancel_units(client, dump_id, per_unit)  # those that did snapshot
-                    raise
+                desc, per_unit = _snapshot(client, handle, keys, pid, via, desc, per_unit)
                 snapshotted = True
                 handle._on_cancel = lambda: _cancel_units(client, dump_id, per_unit)
             if handle.background:
@@ -270,19 +304,36 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
                 check_no_reader(client, journal, dump_dir)
                 pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
                 try:
-                    (pub.staging_dir / fmt.SHARDS_DIR).mkdir()
-                    row_index = []  # the row index is written while the units write
-                    if via == "units":
-                        for u, req in per_unit.items():
-                            req["path"] = str(pub.staging_dir / fmt.shard_file_name(u))
-                            req["index"] = True  # units write the shard's index beside it
-                        written = _unit_write(client, handle, per_unit, snapshotted,
-                                              while_writing=lambda: row_index.append(
-                                                  _write_row_index(pub.staging_dir, dump_id,
-                                                                   pid, desc, rows)))
-                        snapshotted = False  # the units' jobs end (and release) by themselves
-                    else:
-                        written = _client_write(client, pub.staging_dir, pid, keys, with_data)
+                    for attempt in range(FENCE_ATTEMPTS):
+                        shards_dir = pub.staging_dir / fmt.SHARDS_DIR
+                        shards_dir.mkdir()
+                        row_index = []  # the row index is written while the units write
+                        try:
+                            if via == "units":
+                                for u, req in per_unit.items():
+                                    req["path"] = str(pub.staging_dir / fmt.shard_file_name(u))
+                                    req["index"] = True  # units write the shard's index beside it
+                                written = _unit_write(client, handle, per_unit, snapshotted,
+                                                      while_writing=lambda: row_index.append(
+                                                          _write_row_index(pub.staging_dir,
+                                                                           dump_id, pid, desc,
+                                                                           rows)))
+                                snapshotted = False  # the units' jobs end (and release) by themselves
+                            else:
+                                written = _client_write(client, pub.staging_dir, pid, keys,
+                                                        with_data)
+                            break
+                        except StaleRowsError as exc:
+                            # A blocking dump's unit met a row that moved since DESCRIBE (a
+                            # background dump's snapshots were checked above): this attempt's
+                            # shards go, the keys are described again.
+                            shutil.rmtree(shards_dir)
+                            moved = _moved(keys, desc, exc)
+                            if attempt + 1 == FENCE_ATTEMPTS:
+                                raise stale_keys_error("dump_data_by_key", moved, pid) from None
+                            fence_pause(attempt + 1)
+                            desc, per_unit = _describe(client, handle, keys, pid, via)
+                            rows, with_data = _rows(keys, desc)
                     faults.hit("client.dump.after_units_written")
                     shards = _write_indexes(pub.staging_dir, dump_id, pid, via, desc, rows,
                                             with_data, written,
@@ -354,11 +405,12 @@ class _DumpRecord:
 
 @gc_paused  # also in a background dump's thread: a short, O(rows) step
 def _rows(keys: list[str], desc: dict) -> tuple[list, list]:
-    """Row-index rows ``[key, index, fields, tag]``, and those with fields."""
+    """Row-index rows ``[key, index, fields, tag, generation]``, and those with fields."""
     field_sets = desc["field_sets"]
     indexes, fields_of = _column(desc["indexes"]).tolist(), _column(desc["fields_of"]).tolist()
-    rows = [[k, i, field_sets[sid], t]
-            for k, i, sid, t in zip(keys, indexes, fields_of, desc["tags"])]
+    gens = _column(desc["gens"]).tolist()
+    rows = [[k, i, field_sets[sid], t, g]
+            for k, i, sid, t, g in zip(keys, indexes, fields_of, desc["tags"], gens)]
     return rows, [r for r in rows if r[2]]
 
 
@@ -416,20 +468,24 @@ def _unit_write(client, handle: DumpHandle, per_unit: dict[int, dict], snapshott
 
 
 def _client_write(client, staging_dir, pid: str, keys: list[str], with_data: list) -> dict:
-    """Fallback: read rows through the client and write the same format here."""
+    """Fallback: read rows through the client and write the same format here (each row
+    read at the generation DESCRIBE named: StaleRowsError if one moved since)."""
     if not with_data:
         return {}
     groups: dict[tuple, list] = {}
-    for key, idx, fields, tag in with_data:
-        groups.setdefault(tuple(fields), []).append((key, idx))
+    for key, idx, fields, tag, gen in with_data:
+        groups.setdefault(tuple(fields), []).append((key, idx, gen))
     writer = fmt.ShardWriter(staging_dir / fmt.shard_file_name(0))
     try:
         for fields, members in groups.items():
             for start in range(0, len(members), 1024):
                 chunk = members[start:start + 1024]
-                columns, _ = client.get_columns([k for k, _ in chunk], pid, list(fields))
-                writer.write_rows((idx, {f: columns[f][i] for f in fields})
-                                  for i, (_, idx) in enumerate(chunk))
+                meta = {"keys": [k for k, _, _ in chunk], "fields": list(fields),
+                        "indexes": [i for _, i, _ in chunk], "gens": [g for _, _, g in chunk],
+                        "schemas": {}}
+                _, columns, _ = read_rows(client, meta, meta["keys"], False, None)
+                writer.write_rows((idx, {f: columns[f][i] for f in fields}, gen, pid, key)
+                                  for i, (key, idx, gen) in enumerate(chunk))
         entries = writer.close(fsync=True)
     except BaseException:
         writer.abort()

@@ -17,7 +17,9 @@ from tqtx.wire import codec
 from .records import PREFIX_SIZE, checksum, file_error, is_int
 from .shard import SHARDS_DIR, by_offset, shard_file_name, shard_index_name
 
-FORMAT_VERSION = 1
+# Version 2: records and row index rows name their key's generation (records also their
+# partition and key: the row fence). Version 1 dumps are still read.
+FORMAT_VERSION = 2
 MANIFEST = "dump_info.json"
 ROW_INDEX = "rows.msgpack"
 
@@ -38,7 +40,7 @@ def _arrays(items) -> list:
 
 def write_row_index(staging_dir, *, partition_id: str, dump_id: str, field_schema: dict,
                     rows) -> dict:
-    """Write ``rows.msgpack`` ([key, gidx, fields, tag] per row) and fsync it.
+    """Write ``rows.msgpack`` ([key, gidx, fields, tag, generation] per row) and fsync it.
 
     Returns the manifest entry ``{"file", "size", "crc32"}``.
     """
@@ -106,6 +108,20 @@ class DumpIndex:
     field_schema: dict
     rows: list = field(default_factory=list)    # (key, gidx, fields, tag)
     shards: list = field(default_factory=list)  # {"unit", "file", "path", "size", "records"}
+    gens: dict = field(default_factory=dict)    # gidx -> generation (format version 2)
+
+    @property
+    def version(self) -> int:
+        return self.manifest["format_version"]
+
+    def record_idents(self) -> dict | None:
+        """``{global_index: (partition_id, key, generation)}`` every record must name
+        (:func:`tqtx.format.records.decode_record`'s ``expect``); None for a version 1 dump,
+        whose records name no row."""
+        if self.version < 2:
+            return None
+        pid, gens = self.partition_id, self.gens
+        return {gidx: (pid, key, gens[gidx]) for key, gidx, fields, _ in self.rows if fields}
 
     def record_locations(self) -> dict:
         """``{global_index: (shard_path, offset, length, crc32)}`` for every record."""
@@ -126,6 +142,7 @@ class _Rows:
     rows: list                  # (key, gidx, fields, tag)
     gidx_key: dict              # gidx -> key, every row
     with_data: dict             # gidx -> key, rows with fields
+    gens: dict                  # gidx -> generation (version 2 row indexes)
 
 
 @contextmanager
@@ -156,7 +173,8 @@ def read_dump_index(dump_dir, *, check_files: bool = True) -> DumpIndex:
         shards = _read_shards(dump_dir, real_dir, mpath, manifest, rows, check_files)
         return DumpIndex(dump_dir=dump_dir, manifest=manifest,
                          partition_id=manifest["partition_id"], dump_id=manifest["dump_id"],
-                         field_schema=rows.field_schema, rows=rows.rows, shards=shards)
+                         field_schema=rows.field_schema, rows=rows.rows, shards=shards,
+                         gens=rows.gens)
 
 
 def read_row_index(dump_dir) -> dict:
@@ -271,7 +289,7 @@ def _read_rows(dump_dir: Path, real_dir: str, mpath: Path, manifest: dict) -> _R
     problem = field_schema_problem(field_schema)
     if problem is not None:
         raise file_error(rpath, problem)
-    rows = _check_rows(index["rows"], field_schema, rpath)
+    rows = _check_rows(index["rows"], field_schema, rpath, manifest["format_version"])
     if manifest["keys"] != len(rows.rows):
         raise file_error(mpath, f"keys is {manifest['keys']} but {ROW_INDEX} has "
                                 f"{len(rows.rows)} rows")
@@ -281,21 +299,29 @@ def _read_rows(dump_dir: Path, real_dir: str, mpath: Path, manifest: dict) -> _R
     return rows
 
 
-def _check_rows(entries: list, field_schema: dict, rpath: Path) -> _Rows:
-    """Check every ``[key, gidx, fields, tag]`` entry: types, unique keys and global
-    indexes, fields listed once and present in the field schema."""
+def _check_rows(entries: list, field_schema: dict, rpath: Path, version: int) -> _Rows:
+    """Check every ``[key, gidx, fields, tag]`` entry (version 2: ``[..., generation]``):
+    types, unique keys and global indexes, fields listed once and present in the field
+    schema."""
     rows = []
     keys_seen = set()
     gidx_key: dict[int, str] = {}
     with_data: dict[int, str] = {}
+    gens: dict[int, int] = {}
+    width = 4 if version < 2 else 5
     valid_fields: set[tuple] = set()  # field lists already checked (rows share a few)
     for r in entries:
-        if type(r) is not list or len(r) != 4:
+        if type(r) is not list or len(r) != width:
             raise file_error(rpath, f"malformed row entry {r!r}")
-        key, gidx, fields, tag = r
+        key, gidx, fields, tag = r[:4]
         if type(key) is not str or type(gidx) is not int or type(fields) is not list \
                 or not (tag is None or type(tag) is dict):
             raise file_error(rpath, f"malformed row entry for key {key!r}", key=key)
+        if width == 5:
+            if type(r[4]) is not int:
+                raise file_error(rpath, f"malformed generation {r[4]!r} for key {key!r}",
+                                 key=key, global_index=gidx)
+            gens[gidx] = r[4]
         if key in keys_seen:
             raise file_error(rpath, f"duplicate key {key!r}", key=key, global_index=gidx)
         keys_seen.add(key)
@@ -320,7 +346,7 @@ def _check_rows(entries: list, field_schema: dict, rpath: Path) -> _Rows:
                 valid_fields.add(names)
             with_data[gidx] = key
         rows.append((key, gidx, fields, tag))
-    return _Rows(rpath, field_schema, rows, gidx_key, with_data)
+    return _Rows(rpath, field_schema, rows, gidx_key, with_data, gens)
 
 
 def _read_shards(dump_dir: Path, real_dir: str, mpath: Path, manifest: dict, rows: _Rows,

@@ -1,9 +1,13 @@
 """Records: one row of a dump shard as a self-contained byte string.
 
-A record is ``b"TQR1" + uint32_le(header_len) + header + payload`` where the header is
-``{"i": global_index, "f": {field: ["t", dtype, shape, rel_offset, nbytes] |
-["o", packed_object]}}`` (msgpack; objects are :func:`tqtx.wire.codec.packb` bytes) and
-tensor payloads follow the header. A record's crc32 is a CRC-32C (Castagnoli) of all its bytes.
+A record is ``b"TQR2" + uint32_le(header_len) + header + payload`` where the header is
+``{"i": global_index, "g": generation, "p": partition_id, "k": key, "f": {field: ["t",
+dtype, shape, rel_offset, nbytes] | ["o", packed_object]}}`` (msgpack; objects are
+:func:`tqtx.wire.codec.packb` bytes) and tensor payloads follow the header. A record's crc32
+is a CRC-32C (Castagnoli) of all its bytes. The partition, key and generation name the row
+the record was written from (the row fence, docs/data_dump.md): readers check them against
+the row index, so a record of another key is refused, naming it. Records of format version 1
+(``b"TQR1"``, header ``{"i", "f"}``) name no key and are still read.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from tqtx.wire.values import DTYPE_NAMES, DTYPE_SIZES, RawTensor, shared_shape
 __all__ = ["PREFIX_SIZE", "RECORD_MAGIC", "RecordEncoder", "checksum", "decode_record",
            "encode_record", "encode_record_parts", "file_error", "is_int"]
 
-RECORD_MAGIC = b"TQR1"
+RECORD_MAGIC = b"TQR2"
+RECORD_MAGIC_V1 = b"TQR1"  # records without partition, key and generation
 _PREFIX = struct.Struct("<4sI")
 PREFIX_SIZE = _PREFIX.size  # 8: magic + header length
 
@@ -83,8 +88,12 @@ def _payload(tensor: RawTensor, gidx, name):
 
 
 # Header pieces, so a record's header is built by joining bytes rather than by packing a
-# fresh dict per row: {"i": gidx, "f": {...}} packs as these constants around the parts.
-_HEAD_I = b"\x82\xa1i"  # fixmap(2), "i"
+# fresh dict per row: {"i": gidx, "g": gen, "p": pid, "k": key, "f": {...}} packs as these
+# constants around the parts.
+_HEAD_I = b"\x85\xa1i"  # fixmap(5), "i"
+_HEAD_G = b"\xa1g"
+_HEAD_P = b"\xa1p"
+_HEAD_K = b"\xa1k"
 _HEAD_F = b"\xa1f"  # "f"
 _FIXMAP = [bytes([0x80 | n]) for n in range(16)]
 _TENSOR_SPEC = b"\x95\xa1t"  # ["t", ... (5 items)
@@ -99,11 +108,12 @@ class RecordEncoder:
     One per writer and thread; the cache goes with it (a dump's layouts are not kept).
     ``(name, dtype)`` keys hold the packed name and dtype of new shapes."""
 
-    __slots__ = ("pack", "fields")
+    __slots__ = ("pack", "fields", "partition")
 
     def __init__(self):
         self.pack = codec.packer()
         self.fields: dict = {}
+        self.partition: tuple = (None, b"")  # the last partition ID and its packed form
 
 
 def _tensor_field(name, value: RawTensor, gidx, pack, cache) -> tuple[bytes, int, bytes]:
@@ -127,14 +137,28 @@ def _tensor_field(name, value: RawTensor, gidx, pack, cache) -> tuple[bytes, int
     return known[0] + pack(list(value.shape)), n, pack(n)
 
 
-def encode_record_parts(gidx: int, row: dict,
-                        encoder: RecordEncoder | None = None) -> tuple[bytes, list, int]:
+def _ident_parts(gen, pid, key, encoder: RecordEncoder, gidx) -> list:
+    """The header pieces naming the row: ``"g"``, ``"p"`` and ``"k"`` with their values."""
+    if not is_int(gen) or type(key) is not str or type(pid) is not str:
+        raise TypeError(f"global index {gidx}: a record names its row by an int generation "
+                        f"and str partition and key, got {gen!r}, {pid!r}, {key!r}")
+    pack = encoder.pack
+    last, packed = encoder.partition
+    if pid is not last:
+        packed = pack(pid)
+        encoder.partition = (pid, packed)
+    return [_HEAD_G, pack(gen), _HEAD_P, packed, _HEAD_K, pack(key)]
+
+
+def encode_record_parts(gidx: int, row: dict, encoder: RecordEncoder | None = None, *,
+                        gen: int, partition_id: str, key: str) -> tuple[bytes, list, int]:
     """Encode one row as ``(head, large_payloads, length)`` without a checksum.
 
     ``head`` is the prefix and header (small payloads joined to it when they are few
     bytes); ``large_payloads`` are the rest of the record, the row's own buffers.
-    ``encoder``: a :class:`RecordEncoder` to reuse (batch callers). Raises
-    ValueError/TypeError for values that cannot be stored.
+    ``encoder``: a :class:`RecordEncoder` to reuse (batch callers); ``gen``,
+    ``partition_id``, ``key``: the row the record names. Raises ValueError/TypeError for
+    values that cannot be stored.
     """
     if type(gidx) is not int:
         if not is_int(gidx):
@@ -173,8 +197,8 @@ def encode_record_parts(gidx: int, row: dict,
         else:
             fields.append((b"".join([pack(name), _OBJECT_SPEC, pack(pack(value))]), None))
     nf = len(fields)
-    hparts = [_HEAD_I, pack(gidx), _HEAD_F, _FIXMAP[nf] if nf < 16 else
-              msgpack.Packer().pack_map_header(nf)]
+    hparts = [_HEAD_I, pack(gidx), *_ident_parts(gen, partition_id, key, encoder, gidx),
+              _HEAD_F, _FIXMAP[nf] if nf < 16 else msgpack.Packer().pack_map_header(nf)]
     # Small payloads go first, joined with the header; large ones follow as their own iovecs.
     small_parts = []
     large = []
@@ -204,14 +228,16 @@ def encode_record_parts(gidx: int, row: dict,
     return prefix + header, small_parts + large, length
 
 
-def encode_record(gidx: int, row: dict) -> tuple[list, int, int]:
+def encode_record(gidx: int, row: dict, *, gen: int, partition_id: str,
+                  key: str) -> tuple[list, int, int]:
     """Encode one row as a record: ``(buffers, length, crc32)``.
 
     ``buffers`` concatenated form the record; large tensor payloads are the row's own
     buffers (only the bytes of each tensor, never the larger buffer they may slice).
     Raises ValueError/TypeError for values that cannot be stored.
     """
-    head, large, length = encode_record_parts(gidx, row)
+    head, large, length = encode_record_parts(gidx, row, gen=gen, partition_id=partition_id,
+                                              key=key)
     crc = checksum(head)
     for buf in large:
         crc = checksum(buf, crc)
@@ -266,14 +292,33 @@ def _range_key(r):
     return r[0], r[1]
 
 
-def decode_record(buf, *, expected_gidx: int | None = None,
-                  where: str = "record") -> tuple[int, dict]:
+def _check_ident(header: dict, expect, where) -> None:
+    """The row a version 2 record names against ``expect`` (``(partition_id or None,
+    key, generation or None)``: None parts are not checked)."""
+    pid, key, gen = expect
+    got = (header.get("p"), header.get("k"), header.get("g"))
+    if type(got[0]) is not str or type(got[1]) is not str or type(got[2]) is not int:
+        raise _bad(where, f"malformed record header: partition {got[0]!r}, key {got[1]!r}, "
+                          f"generation {got[2]!r}")
+    if got[1] != key or (pid is not None and got[0] != pid) or \
+            (gen is not None and got[2] != gen):
+        raise _bad(where, f"record holds the row of key {got[1]!r} (partition {got[0]!r}, "
+                          f"generation {got[2]}), but the index names key {key!r}"
+                          + (f" (partition {pid!r})" if pid is not None else "")
+                          + (f" (generation {gen})" if gen is not None else "")
+                          + ": the shard holds another key's row")
+
+
+def decode_record(buf, *, expected_gidx: int | None = None, where: str = "record",
+                  expect=None) -> tuple[int, dict]:
     """Decode a record; tensor data are memoryview slices of ``buf`` (no copy), or bytes
     of their own for payloads of at most 184 bytes (smaller than a view).
 
     Validates magic, header length and structure, that tensor payloads exactly tile the
-    payload, and the global index if ``expected_gidx`` is given. Does not check the crc.
-    Raises DumpFormatError naming ``where``.
+    payload, and the global index if ``expected_gidx`` is given. With ``expect``
+    (``(partition_id or None, key, generation or None)``) the record must be of format
+    version 2 and name that row. Does not check the crc. Raises DumpFormatError naming
+    ``where``.
     """
     view = memoryview(buf)
     if view.ndim != 1 or view.format != "B":
@@ -282,7 +327,7 @@ def decode_record(buf, *, expected_gidx: int | None = None,
     if total < PREFIX_SIZE:
         raise _bad(where, f"record of {total} bytes is shorter than its prefix")
     magic, hlen = _PREFIX.unpack_from(view, 0)
-    if magic != RECORD_MAGIC:
+    if magic != RECORD_MAGIC and (magic != RECORD_MAGIC_V1 or expect is not None):
         raise _bad(where, f"bad record magic {magic!r} (expected {RECORD_MAGIC!r})")
     start = PREFIX_SIZE + hlen
     if start > total:
@@ -291,7 +336,13 @@ def decode_record(buf, *, expected_gidx: int | None = None,
         header = codec.unpack_stored(view[PREFIX_SIZE:start])
     except codec.CodecError as exc:
         raise _bad(where, f"malformed record header: {exc}") from None
-    if type(header) is not dict or len(header) != 2 or "i" not in header or "f" not in header:
+    if magic == RECORD_MAGIC:
+        if type(header) is not dict or len(header) != 5 or \
+                not {"i", "g", "p", "k", "f"} <= header.keys():
+            raise _bad(where, "malformed record header (expected keys 'i', 'g', 'p', 'k', 'f')")
+        if expect is not None:
+            _check_ident(header, expect, where)
+    elif type(header) is not dict or len(header) != 2 or "i" not in header or "f" not in header:
         raise _bad(where, "malformed record header (expected keys 'i' and 'f')")
     gidx, specs = header["i"], header["f"]
     if type(gidx) is not int:

@@ -61,8 +61,9 @@ class ShardWriter:
         self.bytes_written = 0
         self._pool: ThreadPoolExecutor | None = None
 
-    def write_rows(self, rows: Iterable[tuple[int, dict]]) -> None:
-        """Append one record per ``(global_index, row)``, batched through os.writev.
+    def write_rows(self, rows: Iterable[tuple[int, dict, int, str, str]]) -> None:
+        """Append one record per ``(global_index, row, generation, partition_id, key)``,
+        batched through os.writev.
 
         Large batches are written by a helper thread while the next batch is encoded
         and checksummed (both release the GIL), so crc32 and copying overlap; the last
@@ -79,8 +80,9 @@ class ShardWriter:
         iov_max = fsutil.IOV_MAX
         encoder = RecordEncoder()
         try:
-            for gidx, row in rows:
-                head, large, length = encode_record_parts(gidx, row, encoder)
+            for gidx, row, gen, pid, key in rows:
+                head, large, length = encode_record_parts(gidx, row, encoder, gen=gen,
+                                                          partition_id=pid, key=key)
                 if iov and (len(iov) + 1 + len(large) > iov_max
                             or pending_bytes >= _BATCH_BYTES):
                     inflight = self._submit(inflight, iov, pending, pending_bytes)
@@ -162,9 +164,10 @@ class ShardWriter:
         return False
 
 
-def read_entry(fd: int, entry, verify: bool, label: str) -> tuple[int, dict]:
+def read_entry(fd: int, entry, verify: bool, label: str, expect=None) -> tuple[int, dict]:
     """Read and decode the record ``entry`` ([gidx, offset, length, crc32]) of open shard
-    ``fd``, checking its crc32 if ``verify``; errors name ``label`` and the record."""
+    ``fd``, checking its crc32 if ``verify`` and the row it names against ``expect`` (see
+    :func:`decode_record`); errors name ``label`` and the record."""
     gidx, offset, length, crc = entry
     data = fsutil.pread_exact(fd, length, offset)
     if len(data) != length:
@@ -175,7 +178,7 @@ def read_entry(fd: int, entry, verify: bool, label: str) -> tuple[int, dict]:
                               f"length {length}): checksum (CRC-32C) mismatch ({checksum(data):#010x}, "
                               f"index says {crc:#010x})")
     try:
-        return decode_record(data, expected_gidx=gidx, where=label)
+        return decode_record(data, expected_gidx=gidx, where=label, expect=expect)
     except DumpFormatError as exc:
         # Build the detailed location only on failure (keeps the hot path cheap).
         msg = str(exc)[len(label) + 2:]
@@ -184,12 +187,15 @@ def read_entry(fd: int, entry, verify: bool, label: str) -> tuple[int, dict]:
 
 
 def read_records(path, entries, *, batch: int = 128, verify: bool = True,
-                 where_prefix: str | None = None) -> Iterator[list[tuple[int, dict]]]:
+                 where_prefix: str | None = None,
+                 expect: dict | None = None) -> Iterator[list[tuple[int, dict]]]:
     """Read ``entries`` ([gidx, offset, length, crc32]) from a shard, ``batch`` at a time.
 
     Yields lists of ``(global_index, row)`` with at most ``batch`` rows, each record read
     (by offset order within its batch) into its own bytes object; checks crc32 if
-    ``verify``. Errors raise DumpFormatError naming the file and the global index.
+    ``verify``, and with ``expect`` (``{global_index: (partition_id or None, key,
+    generation or None)}``, every entry's) that each record names that row. Errors raise
+    DumpFormatError naming the file and the global index.
     """
     if batch < 1:
         raise ValueError("batch must be >= 1")
@@ -201,6 +207,9 @@ def read_records(path, entries, *, batch: int = 128, verify: bool = True,
     try:
         for start in range(0, len(entries), batch):
             chunk = sorted(entries[start:start + batch], key=by_offset)
-            yield [read_entry(fd, e, verify, label) for e in chunk]
+            if expect is None:
+                yield [read_entry(fd, e, verify, label) for e in chunk]
+            else:
+                yield [read_entry(fd, e, verify, label, expect[e[0]]) for e in chunk]
     finally:
         os.close(fd)

@@ -14,7 +14,8 @@ from .shard import by_offset, read_entry
 
 
 def verify_dump(dump_dir) -> dict:
-    """Check a whole dump, reading every record (crc32, decoding, schema).
+    """Check a whole dump, reading every record (crc32, decoding, schema, and in a format
+    version 2 dump that each record names the row index's partition, key and generation).
 
     Returns ``{"ok", "dump_dir", "records", "bytes", "errors": [{"file", "global_index",
     "key", "error"}]}``; record errors are collected, an index-level error is the only one.
@@ -28,6 +29,7 @@ def verify_dump(dump_dir) -> dict:
                                  "key": getattr(exc, "key", None), "error": str(exc)})
         return result
     fields_of = {gidx: (key, fields) for key, gidx, fields, _ in idx.rows}
+    idents = idx.record_idents() or {}
     errors = result["errors"]
     for shard in idx.shards:
         path = shard["path"]
@@ -42,7 +44,7 @@ def verify_dump(dump_dir) -> dict:
                 gidx = entry[0]
                 key, fields = fields_of[gidx]
                 try:
-                    _, row = read_entry(fd, entry, True, str(path))
+                    _, row = read_entry(fd, entry, True, str(path), idents.get(gidx))
                     where = f"{path}: record for global index {gidx} (key {key!r})"
                     if set(row) != set(fields):
                         raise DumpFormatError(f"{where}: fields {sorted(row)} differ from the "

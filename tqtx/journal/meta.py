@@ -8,7 +8,7 @@ A controller that starts on the same state dir replays them with :meth:`MetaJour
 The hot path talks to SQLite through the DB-API connection under the SQLAlchemy engine
 (``executemany`` of prepared statements): an ORM unit of work costs ~20x more per row, and a
 5k-row put must stay within a few percent of an unjournaled one. Alembic still owns the
-schema (migration ``c0003``) and the ORM models describe it.
+schema (migrations ``c0003``, ``c0004``) and the ORM models describe it.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ _WAL_SIZE_LIMIT = 16 << 20
 
 _UPSERT_ON = (" ON CONFLICT (partition_id, key) DO UPDATE SET "
               "global_index = excluded.global_index, fields = excluded.fields, "
-              "tag = excluded.tag, lost_unit = excluded.lost_unit")
-_UPSERT_KEYS = ("INSERT INTO meta_keys (partition_id, key, global_index, fields, tag, lost_unit) "
-                "VALUES ")
-# Rows per multi-row upsert statement: 768 parameters, under SQLite's lowest limit (999).
+              "tag = excluded.tag, lost_unit = excluded.lost_unit, gen = excluded.gen")
+_UPSERT_KEYS = ("INSERT INTO meta_keys (partition_id, key, global_index, fields, tag, lost_unit, "
+                "gen) VALUES ")
+_ROW_COLUMNS = 7
+# Rows per multi-row upsert statement: 896 parameters, under SQLite's lowest limit (999).
 # One statement per 128 rows is ~2x cheaper than executemany's one per row.
 _UPSERT_ROWS = 128
 _DELETE_KEY = "DELETE FROM meta_keys WHERE partition_id = ? AND key = ?"
@@ -47,6 +48,7 @@ _SET_MARKER = ("INSERT INTO meta_markers (name, value) VALUES (?, ?) "
                "ON CONFLICT (name) DO UPDATE SET value = excluded.value")
 _NEXT_INDEX = "next_index"
 CHECKPOINT_LOAD = "checkpoint_load"  # marker: a load_checkpoint decided, units switching
+CHECKPOINT_GEN_BASE = "checkpoint_gen_base"  # marker: that load's rows' generation base
 
 
 def check_durability(value: str) -> str:
@@ -60,7 +62,7 @@ def check_durability(value: str) -> str:
 class MetaChange:
     """What one request changed; written in one transaction.
 
-    ``rows``: ``(partition, key, global_index, fields, tag, lost_unit)`` to insert or
+    ``rows``: ``(partition, key, global_index, fields, tag, lost_unit, gen)`` to insert or
     replace; ``deleted``: ``(partition, key)``; ``schemas``: ``(partition, field, schema)``;
     ``dropped``: partitions whose schemas go (the partition has no keys left);
     ``replace``: wipe every table first (a checkpoint load replaces all metadata).
@@ -108,7 +110,7 @@ def apply_change(executemany: Callable[[str, Iterable], object], change: MetaCha
 
 @lru_cache(maxsize=32)
 def _upsert_sql(rows: int) -> str:
-    return _UPSERT_KEYS + ", ".join(["(?, ?, ?, ?, ?, ?)"] * rows) + _UPSERT_ON
+    return _UPSERT_KEYS + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * rows) + _UPSERT_ON
 
 
 def _upsert_rows(executemany, rows: list) -> None:
@@ -117,16 +119,16 @@ def _upsert_rows(executemany, rows: list) -> None:
     encoded: dict[frozenset, str] = {}
     pack = codec.packer()
     flat: list = []
-    for pid, key, idx, fields, tag, lost in rows:
+    for pid, key, idx, fields, tag, lost, gen in rows:
         fs = frozenset(fields)
         text = encoded.get(fs)
         if text is None:
             text = encoded[fs] = json.dumps(sorted(fs))
-        flat += (pid, key, idx, text, pack(tag) if tag else _EMPTY_TAG, lost)
-    step = _UPSERT_ROWS * 6
+        flat += (pid, key, idx, text, pack(tag) if tag else _EMPTY_TAG, lost, gen)
+    step = _UPSERT_ROWS * _ROW_COLUMNS
     for lo in range(0, len(flat), step):
         chunk = flat[lo:lo + step]
-        executemany(_upsert_sql(len(chunk) // 6), [chunk])
+        executemany(_upsert_sql(len(chunk) // _ROW_COLUMNS), [chunk])
 
 
 def buffer_summary(engine: Engine) -> list[dict]:
@@ -179,15 +181,16 @@ class MetaJournal:
 
     def load(self) -> dict:
         """The stored metadata: ``{"next_index", "partitions": {pid: {"schema": {field:
-        schema}, "rows": [[key, global_index, fields, tag, lost_unit], ...]}}, "markers"}``."""
+        schema}, "rows": [[key, global_index, fields, tag, lost_unit, gen], ...]}},
+        "markers"}`` (``gen`` None in rows written before migration c0004)."""
         parts: dict[str, dict] = {}
         if not self.enabled:
             return {"next_index": 0, "partitions": parts, "markers": {}}
         db, loads, unpackb = self._db, json.loads, codec.unpackb
         field_sets: dict[str, list] = {}  # rows share a handful of field lists: decode once
         tags: dict[bytes, dict] = {}       # and of tags (each row gets its own copy)
-        for pid, key, idx, fields, tag, lost in db.execute(
-                "SELECT partition_id, key, global_index, fields, tag, lost_unit "
+        for pid, key, idx, fields, tag, lost, gen in db.execute(
+                "SELECT partition_id, key, global_index, fields, tag, lost_unit, gen "
                 "FROM meta_keys ORDER BY partition_id, global_index"):
             part = parts.get(pid)
             if part is None:
@@ -198,7 +201,7 @@ class MetaJournal:
             value = tags.get(tag)
             if value is None:
                 value = tags[tag] = unpackb(tag)
-            part["rows"].append([key, idx, names, dict(value), lost])
+            part["rows"].append([key, idx, names, dict(value), lost, gen])
         for pid, name, schema in db.execute(
                 "SELECT partition_id, field, schema FROM meta_schemas"):
             if pid in parts:

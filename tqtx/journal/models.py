@@ -187,6 +187,9 @@ class MetaKey(ControllerBase):
     fields: Mapped[str] = mapped_column(Text, server_default="[]")   # JSON list of names
     tag: Mapped[bytes] = mapped_column(LargeBinary)                  # msgpack of the tag dict
     lost_unit: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)  # row lost there
+    # the generation of the key's row (tqtx.controller.metadata); NULL in rows written
+    # before c0004, which replay gives new generations
+    gen: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
 
 
 class MetaSchema(ControllerBase):

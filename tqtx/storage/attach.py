@@ -27,8 +27,9 @@ def heartbeat_period() -> float:
     return float(os.environ.get("TQTX_UNIT_HEARTBEAT", "1.0"))
 
 
-def held_report(rows: dict[int, dict]) -> dict:
-    """``{"indexes", "field_sets", "fields_of"}`` of a rows snapshot; field sets sorted."""
+def held_report(rows: dict[int, dict], gens: dict[int, int]) -> dict:
+    """``{"indexes", "gens", "field_sets", "fields_of"}`` of a rows snapshot (and its
+    generations); field sets sorted."""
     by_order: dict[tuple, int] = {}   # a row's field names in insertion order -> set id
     by_set: dict[tuple, int] = {}     # sorted field names -> set id
     indexes, fields_of = [], []
@@ -39,7 +40,8 @@ def held_report(rows: dict[int, dict]) -> dict:
             sid = by_order[order] = by_set.setdefault(tuple(sorted(order)), len(by_set))
         indexes.append(idx)
         fields_of.append(sid)
-    return {"indexes": indexes, "field_sets": [list(s) for s in by_set], "fields_of": fields_of}
+    return {"indexes": indexes, "gens": list(map(gens.__getitem__, indexes)),
+            "field_sets": [list(s) for s in by_set], "fields_of": fields_of}
 
 
 class UnitAttach:
@@ -83,16 +85,17 @@ class UnitAttach:
             self.write_watch = [*self.write_watch, written]
         rows = self.rows
         try:
-            snapshot = dict(rows)
+            # rows and gens change together only on the loop: both copies are taken under
+            # the GIL in one go, so a row and its generation always match
+            snapshot, gens = dict(rows), dict(self.gens)
             with self.lock:
                 staged = list(self.staging)
             faults.hit("unit.register.after_snapshot")
-            ck = self.checkpoint_staged
             body = {"unit_id": self.unit_id, "address": self.address,
-                    "held": held_report(snapshot), "staged": staged,
-                    "checkpoint": {"applied": self.applied_checkpoint,
-                                   "staged": ck[0] if ck else None}}
-            snapshot = None
+                    "held": held_report(snapshot, gens), "staged": staged,
+                    "checkpoint": {"applied": self.checkpoints.applied,
+                                   "staged": list(self.checkpoints.staged)}}
+            snapshot = gens = None
             reply = peer.call("REGISTER_UNIT", body, timeout=timeout) or {}
         except BaseException:
             self.server.call_soon(lambda: self._unwatch(written))
@@ -101,10 +104,10 @@ class UnitAttach:
         if reply.get("apply_checkpoint"):
             # a restarted controller rolls a decided checkpoint load forward: switch, then
             # report again (the next heartbeat registers: -1 matches no incarnation)
-            load_id = reply["apply_checkpoint"]
+            switch = {"load_id": reply["apply_checkpoint"], "gen_base": reply["gen_base"]}
             self.incarnation = -1
-            self.server.call_soon(lambda: (self._unwatch(written), self.apply_checkpoint(
-                {"load_id": load_id}, None)))
+            self.server.call_soon(lambda: (self._unwatch(written),
+                                           self.checkpoints.apply(switch, None)))
             return reply
         drop, drop_staged = reply.get("drop") or [], reply.get("drop_staged") or []
         log.info("unit %d registered with controller incarnation %s: holds %d rows, %d staged "
@@ -120,16 +123,19 @@ class UnitAttach:
 
     def _apply_register_reply(self, rows: dict, written: set, drop: list,
                               drop_staged: list) -> None:
-        """On the request loop: drop the rows the controller does not know, except those
-        written since the snapshot, and the staged restores it does not hold open."""
+        """On the request loop: drop the rows (``[index, generation]``) the controller does
+        not know, except those written since the snapshot, and the staged restores it does
+        not hold open."""
         self._unwatch(written)
         if drop and self.rows is not rows:
             log.warning("unit %d: a checkpoint replaced its rows while registering; not "
                         "dropping the %d rows the controller did not know", self.unit_id,
                         len(drop))
         elif drop:
-            kept = sum(1 for i in drop if i in written)
-            done = self.drop_rows({"indexes": [i for i in drop if i not in written]}, None)
+            kept = sum(1 for i, _ in drop if i in written)
+            gone = [(i, g) for i, g in drop if i not in written]
+            done = self.drop_rows({"indexes": [i for i, _ in gone],
+                                   "gens": [g for _, g in gone]}, None)
             log.info("unit %d dropped %d rows the controller does not know (kept %d written "
                      "since its report)", self.unit_id, done["dropped"], kept)
         for rid in drop_staged:

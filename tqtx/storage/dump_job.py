@@ -13,10 +13,13 @@ log = logging.getLogger("tqtx.unit")
 
 class DumpJob:
     """One shard being written from a snapshot of rows (held by reference, never copied):
-    ``(indexes, row dicts, field-set numbers)``, the fields named by ``field_sets``."""
+    ``(indexes, row dicts, field-set numbers, generations, keys)``, the fields named by
+    ``field_sets``, every row of partition ``partition_id``."""
 
-    def __init__(self, dump_id: str, snapshot: tuple, field_sets: list, unit_id: int):
+    def __init__(self, dump_id: str, snapshot: tuple, field_sets: list, unit_id: int,
+                 partition_id: str):
         self.dump_id, self.snapshot, self.unit_id = dump_id, snapshot, unit_id
+        self.partition_id = partition_id
         self.path: str | None = None
         self.write_index = False
         self.field_sets = field_sets
@@ -57,12 +60,13 @@ class DumpJob:
 
     def release(self) -> None:
         """Drop the snapshot: the rows it kept alive are freed with their last reference."""
-        self.snapshot = ((), (), ())
+        self.snapshot = ((), (), (), (), ())
 
     def _rows(self):
         field_sets = self.field_sets
         wanted = [frozenset(fs) for fs in field_sets]
-        for i, (idx, row, sid) in enumerate(zip(*self.snapshot)):
+        pid = self.partition_id
+        for i, (idx, row, sid, gen, key) in enumerate(zip(*self.snapshot)):
             if i % 256 == 0 and self.cancelled.is_set():
                 raise RuntimeError(f"dump {self.dump_id} cancelled")
             if row.keys() != wanted[sid]:  # else the row itself
@@ -71,7 +75,7 @@ class DumpJob:
                 except KeyError as exc:
                     raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc} "
                                    f"(dump {self.dump_id})") from None
-            yield idx, row
+            yield idx, row, gen, pid, key
 
     def run(self) -> None:
         t0 = time.perf_counter()

@@ -55,34 +55,43 @@ class Report:
                             body["restore_id"], body["unit_id"], body["action"])
 
 
-def plan_reads(items) -> tuple[dict, dict]:
-    """LOAD_ROWS ``items`` ([dest, fresh, path, offset, length, crc, src]) as
-    ``(by_shard, targets)``: per shard path the distinct records to read
-    ([src, offset, length, crc]); per (path, src) the ``(dest, fresh)`` rows it fills."""
-    by_shard: dict[str, list] = {}
-    targets: dict[tuple[str, int], list] = {}
-    for dest, fresh, path, offset, length, crc, src in items:
-        key = (path, src)
-        t = targets.get(key)
-        if t is None:
-            by_shard.setdefault(path, []).append([src, offset, length, crc])
-            targets[key] = [(dest, fresh)]
-        else:
-            t.append((dest, fresh))
-    return by_shard, targets
+class ReadPlan:
+    """LOAD_ROWS items (:class:`tqtx.plan.LoadItem`) grouped for reading: per shard path
+    the distinct records to read (``[src, offset, length, crc]``) and the row each must
+    name (``expect``: ``{src: (None, key, generation or None)}``, for version 2 dumps);
+    per ``(path, src)`` the ``(dest, gen)`` rows it fills."""
+
+    def __init__(self, items, *, check_key: bool):
+        self.by_shard: dict[str, list] = {}
+        self.expect: dict[str, dict] = {}
+        self.targets: dict[tuple[str, int], list] = {}
+        for it in items:
+            key = (it.path, it.src)
+            t = self.targets.get(key)
+            if t is None:
+                self.by_shard.setdefault(it.path, []).append([it.src, it.offset, it.length,
+                                                              it.crc])
+                if check_key:
+                    self.expect.setdefault(it.path, {})[it.src] = (None, it.key, it.src_gen)
+                self.targets[key] = [(it.dest, it.gen)]
+            else:
+                t.append((it.dest, it.gen))
 
 
-def read_and_check(by_shard: dict, targets: dict, schema: dict, staged: dict, after_batch):
-    """Read every record (checksums verified), check it against ``schema`` and put it in
-    ``staged`` ({dest: (fresh, row)}); ``after_batch()`` runs after each batch of at most
-    :data:`BATCH` rows. Returns the value bytes read (once per distinct record)."""
+def read_and_check(reads: ReadPlan, schema: dict, staged: dict, after_batch):
+    """Read every record (checksums and, in version 2 dumps, the key and generation it
+    names verified), check it against ``schema`` and put it in ``staged`` ({dest: (gen,
+    row)}); ``after_batch()`` runs after each batch of at most :data:`BATCH` rows. Returns
+    the value bytes read (once per distinct record)."""
     nbytes = 0
-    for path, entries in by_shard.items():
-        for batch in fmt.read_records(path, entries, batch=BATCH):
+    targets = reads.targets
+    for path, entries in reads.by_shard.items():
+        for batch in fmt.read_records(path, entries, batch=BATCH,
+                                      expect=reads.expect.get(path)):
             for src, row in batch:
                 validate_row(row, schema, where=partial(_location, path, src))
-                for dest, fresh in targets[(path, src)]:
-                    staged[dest] = (fresh, row)
+                for dest, gen in targets[(path, src)]:
+                    staged[dest] = (gen, row)
                 for v in row.values():
                     nbytes += value_nbytes(v)
             after_batch()

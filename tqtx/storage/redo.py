@@ -12,7 +12,8 @@ from .. import faults
 from .. import format as fmt
 from ..errors import DumpFormatError
 from ..wire.id_records import IdRecords
-from .loading import plan_reads, read_and_check
+from ..plan import LoadItem, RedoItem
+from .loading import ReadPlan, read_and_check
 
 log = logging.getLogger("tqtx.unit")
 
@@ -49,7 +50,7 @@ class RedoRestore:
         them; the controller then sends APPLY_STAGED. A dump that is gone, replaced or
         damaged is answered ``{"failed": why}`` rather than an error, so the controller can
         keep the restore unresolved and name the cause. Body: ``restore_id``, ``dump_dir``,
-        ``dump_id``, ``items`` ([dest, fresh, src], ...), ``field_schema``.
+        ``dump_id``, ``items`` (:class:`tqtx.plan.RedoItem`), ``field_schema``.
         """
         rid = body["restore_id"]
         done = self.applied.get(rid)
@@ -95,15 +96,18 @@ class RedoRestore:
                 f"{dump_dir}: now holds dump {index.dump_id}, not dump {body['dump_id']} that "
                 f"restore {rid} read")
         locations = index.record_locations()
+        key_of = {gidx: key for key, gidx, _fields, _tag in index.rows}
         items = []  # in LOAD_ROWS's item form, read from this dump's own index
-        for dest, fresh, src in body["items"]:
+        for redo in map(RedoItem.from_wire, body["items"]):
+            src = redo.src
             if src not in locations:
                 raise DumpFormatError(f"{dump_dir}: has no record of global index {src}")
             path, offset, length, crc = locations[src]
-            items.append((dest, bool(fresh), str(path), offset, length, crc, src))
-        by_shard, targets = plan_reads(items)
-        staged: dict[int, tuple[bool, dict]] = {}
-        nbytes = read_and_check(by_shard, targets, body["field_schema"], staged, _nothing)
+            items.append(LoadItem(redo.dest, redo.gen, str(path), offset, length, crc, src,
+                                  key_of[src], index.gens.get(src)))
+        reads = ReadPlan(items, check_key=index.version >= 2)
+        staged: dict[int, tuple[int, dict]] = {}
+        nbytes = read_and_check(reads, body["field_schema"], staged, _nothing)
         faults.hit("unit.redo.after_read")
         with self.lock:
             if rid not in self.applied:

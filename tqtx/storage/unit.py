@@ -4,6 +4,14 @@ The request loop runs quick operations (put, get, drop, apply) inline and hands
 long file I/O (DUMP_ROWS, LOAD_ROWS, checkpoints) to worker threads, so puts and gets
 keep flowing while a dump is written. Rows are never modified in place: a put
 replaces the value objects, so a dump snapshots rows by reference.
+
+Every row is held with its generation (``gens``, see :mod:`tqtx.controller.metadata`):
+the key incarnation the controller gave that index. A request that reads rows by index
+names the generations it expects and is served only if every row holds them
+(:class:`~tqtx.errors.StaleRowsError` otherwise: the client asks the controller again); a
+write of an older generation than the row holds is refused, a newer one replaces the row;
+a drop takes only a row of the generation it names. So a request that raced a clear and
+the index's reuse never reads, dumps, overwrites or drops another key's row.
 """
 from __future__ import annotations
 
@@ -11,11 +19,15 @@ import logging
 import os
 import threading
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 
 from .. import faults
 from .. import format as fmt
+from ..errors import StaleRowsError
 from ..placement.probe import node_name, unit_probe
+from ..plan import LoadItem
 from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
@@ -23,6 +35,7 @@ from ..wire.rpc import Server
 from ..wire.values import forget_shapes, value_nbytes
 from . import loading
 from .attach import UnitAttach
+from .checkpoints import UnitCheckpoints
 from .dump_job import DumpJob
 from .memory import free_bytes, own_small_frames
 from .redo import AppliedRestores, RedoRestore
@@ -67,14 +80,14 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.server = Server(f"unit-{unit_id}", host, port, curve=curve)
         self.address = self.server.address
         self.rows: dict[int, dict] = {}
-        self.staging: dict[str, dict[int, tuple[bool, dict]]] = {}
+        self.gens: dict[int, int] = {}  # index -> generation of the row held there
+        self.staging: dict[str, dict[int, tuple[int, dict]]] = {}  # rid -> {dest: (gen, row)}
         self.applied = AppliedRestores()
         self.dropped: set[str] = set()
         self.redoing: dict[str, list] = {}  # restore_id -> deferred replies of a running redo
         self.lock = threading.Lock()
         self.dump_jobs: dict[str, DumpJob] = {}
-        self.checkpoint_staged: tuple | None = None
-        self.applied_checkpoint: str | None = None
+        self.checkpoints = UnitCheckpoints(self)
         self.pool = ThreadPoolExecutor(max_workers=IO_THREADS,
                                        initializer=self.server.prepare_thread,
                                        thread_name_prefix=f"unit{unit_id}-io")
@@ -92,10 +105,10 @@ class StorageUnit(RedoRestore, UnitAttach):
             ("LOAD_ROWS", self.load_rows, True),
             ("APPLY_STAGED", self.apply_staged, True), ("DROP_STAGED", self.drop_staged, True),
             ("REDO_RESTORE", self.redo_restore, True),
-            ("SAVE_CHECKPOINT", self.save_checkpoint, True),
-            ("LOAD_CHECKPOINT", self.load_checkpoint, True),
-            ("APPLY_CHECKPOINT", self.apply_checkpoint, True),
-            ("DROP_CHECKPOINT", self.drop_checkpoint, True),
+            ("SAVE_CHECKPOINT", self.checkpoints.save, True),
+            ("LOAD_CHECKPOINT", self.checkpoints.load, True),
+            ("APPLY_CHECKPOINT", self.checkpoints.apply, True),
+            ("DROP_CHECKPOINT", self.checkpoints.drop, True),
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
@@ -124,21 +137,32 @@ class StorageUnit(RedoRestore, UnitAttach):
         return {"ok": True}
 
     def put_rows(self, body, req):
-        """Store rows; indexes listed in ``fresh`` replace whatever an earlier key left there."""
-        fresh = set(body.get("fresh") or ())
-        rows = self.rows
+        """Store rows (``rows``: ``[index, values]``, ``gens``: the generation of each):
+        merged into a row of that generation, replacing a row of an older one (another key
+        left it), refused where the row is newer (the put's key was cleared and the index
+        given to another key since ALLOC): those indexes come back as ``stale``."""
+        items, want = body["rows"], body["gens"]
+        if len(want) != len(items):
+            raise ValueError(f"PUT_ROWS: {len(want)} generations for {len(items)} rows")
+        rows, gens = self.rows, self.gens
         nbytes = freed = 0
+        stale, written = [], []
         # Each decoded tensor owns its frame (or inline bytes): storing it pins nothing else
         # (frames that would share a ZeroMQ receive buffer are copied out of it).
-        for idx, values in body["rows"]:
+        for (idx, values), gen in zip(items, want):
+            held = gens.get(idx)
+            if held is not None and held > gen:
+                stale.append(idx)
+                continue
             values = own_small_frames(values)
             for value in values.values():
                 nbytes += value_nbytes(value)
             old = rows.get(idx)
-            if idx in fresh or old is None:
+            if held != gen or old is None:
                 if old:
                     freed += _row_nbytes(old)
                 rows[idx] = values
+                gens[idx] = gen
             else:
                 row = dict(old)  # copy-on-write: snapshots of the old row stay intact
                 for f in values:
@@ -146,13 +170,14 @@ class StorageUnit(RedoRestore, UnitAttach):
                         freed += value_nbytes(old[f])
                 row.update(values)
                 rows[idx] = row
-        for idx in fresh:
-            if idx not in rows:
-                rows[idx] = {}
+            written.append(idx)
         self.bytes_held += nbytes - freed
         if self.write_watch:  # a registration is in flight: these rows must survive its reply
-            self._note_writes([idx for idx, _ in body["rows"]], fresh)
-        return {"rows": len(body["rows"]), "bytes": nbytes}
+            self._note_writes(written)
+        reply = {"rows": len(written), "bytes": nbytes}
+        if stale:
+            reply["stale"] = stale
+        return reply
 
     def get_rows(self, body, req):
         return reply_columns(self._columns(body), body.get("shm"), self.reply_files)
@@ -165,28 +190,46 @@ class StorageUnit(RedoRestore, UnitAttach):
                              f"{len(body['fields'])} fields")
         return into_reply(self._columns(body), body, self.reply_files)
 
+    def _stale(self, indexes, want, what: str) -> StaleRowsError:
+        gens = self.gens
+        stale = [i for i, g in zip(indexes, want) if gens.get(i) != g]
+        return StaleRowsError(f"unit {self.unit_id}: {what}: no row of the named generation at "
+                              f"global index(es) {stale[:10]}", stale)
+
     def _columns(self, body) -> list[list]:
-        """Per field of ``body["fields"]``, the values of the rows at ``body["indexes"]``."""
-        fields = body["fields"]
+        """Per field of ``body["fields"]``, the values of the rows at ``body["indexes"]``,
+        each of the generation ``body["gens"]`` names (else StaleRowsError)."""
+        fields, indexes, want = body["fields"], body["indexes"], body["gens"]
+        if len(want) != len(indexes):
+            raise ValueError(f"{len(want)} generations for {len(indexes)} indexes")
+        if list(map(self.gens.get, indexes)) != want:
+            raise self._stale(indexes, want, "read")
         out = []
         rows = self.rows
-        for idx in body["indexes"]:
-            row = rows.get(idx)
-            if row is None:
-                raise KeyError(f"unit {self.unit_id} holds no row at global index {idx}")
+        for idx in indexes:
+            row = rows[idx]
             try:
                 out.append([row[f] for f in fields])
             except KeyError as exc:
-                raise KeyError(f"unit {self.unit_id}: row {idx} has no field {exc}") from None
+                # The row came back without a field its key had: this unit restarted and the
+                # row was only partly written again. The controller names it lost once this
+                # unit has re-registered; until then the read is retried.
+                raise StaleRowsError(f"unit {self.unit_id}: row {idx} has no field {exc}",
+                                     [idx]) from None
         return [[r[j] for r in out] for j in range(len(fields))]
 
     def drop_rows(self, body, req):
+        """Forget the rows at ``indexes`` that still hold the generation ``gens`` names."""
+        indexes, want = body["indexes"], body["gens"]
+        if len(want) != len(indexes):
+            raise ValueError(f"DROP_ROWS: {len(want)} generations for {len(indexes)} indexes")
+        rows, gens = self.rows, self.gens
         n = freed = 0
-        for idx in body["indexes"]:
-            row = self.rows.pop(idx, None)
-            if row is not None:
+        for idx, gen in zip(indexes, want):
+            if gens.get(idx) == gen:
+                del gens[idx]
+                freed += _row_nbytes(rows.pop(idx))
                 n += 1
-                freed += _row_nbytes(row)
         self.bytes_held -= freed
         if n and not self.rows:
             self._emptied()
@@ -197,6 +240,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         on can go back to the OS (docs/performance.md, unit memory). A dict keeps its
         table at its largest size; clear() frees it (the same dict: others hold it)."""
         self.rows.clear()
+        self.gens.clear()
         forget_shapes()
 
     # ---------------------------------------------------------------- dump
@@ -205,22 +249,24 @@ class StorageUnit(RedoRestore, UnitAttach):
 
         C-level passes only: a stored row's dict is never changed in place (puts copy on
         write), so the writer picks the dumped fields out of the very dicts taken here.
+        Every row must hold the generation ``gens`` names (else StaleRowsError, nothing
+        taken); its record names it, with ``partition_id`` and its key (``keys``).
         """
         indexes, fields_of = unpack_int64(body["indexes"]), unpack_int64(body["fields_of"])
-        if len(indexes) != len(fields_of):
+        want, keys = unpack_int64(body["gens"]), body["keys"]
+        if not len(indexes) == len(fields_of) == len(want) == len(keys):
             raise ValueError(f"dump {body['dump_id']}: {len(indexes)} indexes but "
-                             f"{len(fields_of)} field-set numbers")
+                             f"{len(fields_of)} field-set numbers, {len(want)} generations "
+                             f"and {len(keys)} keys")
         if fields_of and not 0 <= min(fields_of) <= max(fields_of) < len(body["field_sets"]):
             raise ValueError(f"dump {body['dump_id']}: a field-set number outside the "
                              f"{len(body['field_sets'])} field sets given")
-        try:
-            rows = list(map(self.rows.__getitem__, indexes))
-        except KeyError as exc:
-            raise KeyError(f"unit {self.unit_id} holds no row at global index "
-                           f"{exc.args[0]}") from None
-        # three parallel columns, no tuple per row: nothing here for the collector to count
-        job = DumpJob(body["dump_id"], (indexes, rows, fields_of), body["field_sets"],
-                      self.unit_id)
+        if array("q", map(self.gens.get, indexes, repeat(-1))) != array("q", want):
+            raise self._stale(indexes, want, f"dump {body['dump_id']}")
+        rows = list(map(self.rows.__getitem__, indexes))
+        # parallel columns, no tuple per row: nothing here for the collector to count
+        job = DumpJob(body["dump_id"], (indexes, rows, fields_of, want, keys),
+                      body["field_sets"], self.unit_id, body["partition_id"])
         if body.get("path") is not None:
             job.target(body["path"], bool(body.get("index")))
         self.dump_jobs[job.dump_id] = job
@@ -296,7 +342,7 @@ class StorageUnit(RedoRestore, UnitAttach):
     def _load_job(self, rid, body, deferred):
         t0 = time.perf_counter()
         peer = self.controller()
-        staged: dict[int, tuple[bool, dict]] = {}
+        staged: dict[int, tuple[int, dict]] = {}
         claimed = False
         claim = None
         try:
@@ -322,9 +368,9 @@ class StorageUnit(RedoRestore, UnitAttach):
                     raise RuntimeError(f"restore {rid} was abandoned while unit "
                                        f"{self.unit_id} was loading")
 
-            by_shard, targets = loading.plan_reads(body["items"])
-            nbytes = loading.read_and_check(by_shard, targets, body["field_schema"], staged,
-                                            after_batch)
+            reads = loading.ReadPlan(map(LoadItem.from_wire, body["items"]),
+                                     check_key=body.get("format_version", 1) >= 2)
+            nbytes = loading.read_and_check(reads, body["field_schema"], staged, after_batch)
             claimed_then_check()
             with self.lock:
                 if rid in self.dropped:
@@ -387,16 +433,25 @@ class StorageUnit(RedoRestore, UnitAttach):
             # Neither staged nor applied here: this unit restarted after staging.
             log.error("restore %s: unit %d has no staged rows to apply", rid, self.unit_id)
             return {"rows": 0, "lost": True}
-        rows = self.rows
+        rows, gens = self.rows, self.gens
         added = 0
+        skipped = []
         # A restored row's fields share one buffer: that row's own record, nothing more.
-        for dest, (fresh, values) in staged.items():
-            added += _row_nbytes(values)
+        for dest, (gen, values) in staged.items():
+            held = gens.get(dest)
             old = rows.get(dest)
-            if fresh or old is None:
+            if held is not None and held > gen:
+                # The restore's index holds a newer key now. The controller never lets that
+                # happen (a partition with an open restore refuses clears and new keys, and
+                # the restore's new indexes are reserved), so this is a bug: never write it.
+                skipped.append(dest)
+                continue
+            added += _row_nbytes(values)
+            if held != gen or old is None:
                 if old:
                     added -= _row_nbytes(old)
                 rows[dest] = values
+                gens[dest] = gen
             else:
                 row = dict(old)
                 for f in values:
@@ -405,6 +460,9 @@ class StorageUnit(RedoRestore, UnitAttach):
                 row.update(values)
                 rows[dest] = row
         self.bytes_held += added
+        if skipped:
+            log.error("restore %s: unit %d did not apply %d rows: their indexes hold newer "
+                      "keys (%s)", rid, self.unit_id, len(skipped), skipped[:10])
         if self.write_watch:
             self._note_writes(staged)
         result = {"rows": len(staged)}
@@ -421,70 +479,6 @@ class StorageUnit(RedoRestore, UnitAttach):
         log.info("restore %s: unit %d dropped %s staged rows", rid, self.unit_id,
                  0 if staged is None else len(staged))
         return {"dropped": 0 if staged is None else len(staged)}
-
-    # ---------------------------------------------------------------- checkpoint
-    def save_checkpoint(self, body, req):
-        snapshot = list(self.rows.items())
-        path = body["path"]
-        deferred = self.server.deferred(req, self.server.current_ident)
-
-        def work():
-            try:
-                writer = fmt.ShardWriter(path)
-                writer.write_rows(snapshot)
-                entries = writer.close(fsync=True)
-                deferred.reply({"entries": entries, "bytes": writer.bytes_written,
-                                "rows": len(entries)})
-            except BaseException as exc:
-                deferred.reply(error=exc)
-
-        self.pool.submit(work)
-        return deferred
-
-    def load_checkpoint(self, body, req):
-        path, entries = body["path"], body["entries"]
-        deferred = self.server.deferred(req, self.server.current_ident)
-
-        def work():
-            try:
-                rows = {}
-                total = 0
-                if entries:
-                    for batch in fmt.read_records(path, entries, batch=128):
-                        for idx, row in batch:
-                            rows[idx] = row
-                            total += _row_nbytes(row)
-                # Staged only: every unit must have read its file before any unit switches.
-                self.checkpoint_staged = (body["load_id"], rows, total)
-                deferred.reply({"rows": len(rows)})
-            except BaseException as exc:
-                deferred.reply(error=exc)
-
-        self.checkpoint_staged = None
-        self.pool.submit(work)
-        return deferred
-
-    def apply_checkpoint(self, body, req):
-        """Switch to the staged checkpoint rows (idempotent for the same load_id)."""
-        staged = self.checkpoint_staged
-        if staged is None or staged[0] != body["load_id"]:
-            if self.applied_checkpoint == body["load_id"]:
-                return {"rows": len(self.rows)}
-            raise RuntimeError(f"unit {self.unit_id} has no staged checkpoint {body['load_id']}")
-        _, rows, total = staged
-        self.rows = rows
-        self.bytes_held = total
-        self.checkpoint_staged = None
-        self.applied_checkpoint = body["load_id"]
-        with self.lock:
-            self.staging.clear()
-        return {"rows": len(rows)}
-
-    def drop_checkpoint(self, body, req):
-        staged = self.checkpoint_staged
-        if staged is not None and staged[0] == body["load_id"]:
-            self.checkpoint_staged = None
-        return {"ok": True}
 
     def stats(self, body, req):
         """GET_STATS (alias STATS): rows/bytes held (running totals), staged restores, ops."""

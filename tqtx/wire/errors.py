@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from ..errors import (ControllerRecoveringError, DumpFormatError, DumpNotFoundError,
                       FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, RemoteError, RestorePendingError, RowsLostError,
-                      SchemaConflictError)
+                      SchemaConflictError, StaleRowsError)
 
 
 def error_payload(exc: BaseException) -> dict:
     """The ``{"type", "message", "data"}`` an error reply carries for ``exc``."""
     data = {}
-    if isinstance(exc, (RestorePendingError, RowsLostError)):
+    if isinstance(exc, (RestorePendingError, RowsLostError, StaleRowsError)):
         data = exc.to_dict()
         kind = type(exc).__name__
     elif isinstance(exc, KeysNotFoundError):
@@ -56,6 +56,8 @@ def raise_remote(err: dict, peer: str):
     if kind == "RowsLostError":
         raise RowsLostError(data.get("keys", []), data.get("partition_id"),
                             fields=data.get("fields"), units=dict(data.get("units") or []))
+    if kind == "StaleRowsError":
+        raise StaleRowsError(message, data.get("indexes") or ())
     if kind == "DumpNotFoundError":
         raise DumpNotFoundError(message, data.get("filename"))
     cls = _BUILTIN.get(kind)

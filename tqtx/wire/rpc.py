@@ -19,7 +19,7 @@ from typing import Callable
 import zmq
 
 from .. import faults
-from ..errors import ControllerRecoveringError, RestorePendingError
+from ..errors import ControllerRecoveringError, RestorePendingError, StaleRowsError
 from ..metrics import Metrics, frames_nbytes
 from .codec import CodecError, decode, encode
 from .errors import error_payload
@@ -294,7 +294,7 @@ class Server:
                 self._record(timing, None, False)
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
             if not isinstance(exc, (ValueError, TypeError, KeyError, RestorePendingError,
-                                    ControllerRecoveringError)):
+                                    ControllerRecoveringError, StaleRowsError)):
                 log.exception("%s: %s failed%s", self.name, op, _ids(body))
             self._finish(ident, rid, op, False, None, exc, timing)
 
