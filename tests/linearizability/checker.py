@@ -136,10 +136,18 @@ class Verdict:
             out[v.kind] = out.get(v.kind, 0) + 1
         return out
 
+    def breakdown(self) -> dict[str, int]:
+        """Violations by kind and by the kind of op that made the observation."""
+        out: dict[str, int] = {}
+        for v in self.violations:
+            name = f"{v.kind} in {v.op.kind if v.op is not None else '?'}"
+            out[name] = out.get(name, 0) + 1
+        return dict(sorted(out.items()))
+
     def summary(self, limit: int = 5) -> str:
         head = (f"{'linearizable' if self.ok else 'NOT linearizable'}: {self.registers} "
                 f"registers, {self.events} events, {self.steps} search steps, "
-                f"{self.seconds:.2f}s; violations {self.counts() or 0}")
+                f"{self.seconds:.2f}s; violations {self.breakdown() or 0}")
         if self.unknown:
             head += f"; search bound hit on {len(self.unknown)}: {self.unknown[:5]}"
         shown = [str(v) for v in self.violations[:limit]]
