@@ -186,39 +186,48 @@ def sequential_histories(draw):
     """A random sequential execution (op i takes effect at time i) with random intervals
     around each op's instant: linearizable by construction."""
     jitter = draw(st.floats(0.0, 2.5))
-    state = {k: ABSENT for k in KEYS}
-    dumps, history = [], []
+    value = {k: ABSENT for k in KEYS}   # the row registers
+    tag = {k: ABSENT for k in KEYS}     # the tag registers (a unit loss leaves them)
+    dumps, ckpts, history = [], [], []
     for i in range(draw(st.integers(5, 40))):
         kind = draw(st.sampled_from(["put", "put", "get", "get", "clear", "list", "dump",
-                                     "load", "lost_put"]))
+                                     "load", "lost_put", "unit_loss", "ckpt_save",
+                                     "ckpt_load"]))
         keys = draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=2, unique=True))
         t0 = i - draw(st.floats(0.0, jitter))
         t1 = i + draw(st.floats(0.0, jitter))
-        if kind == "put":
+        if kind in ("put", "lost_put"):
             values = {k: f"{k[0]}/{k[1]}#{i}" for k in keys}
-            state.update(values)
-            history.append(put(t0, t1, values))
-        elif kind == "lost_put":  # indeterminate: took effect at i, or never
-            values = {k: f"{k[0]}/{k[1]}#{i}" for k in keys}
-            if draw(st.booleans()):
-                state.update(values)
-            history.append(put(t0, None, values, outcome="info"))
+            # an indeterminate put took effect at i, or never
+            if kind == "put" or draw(st.booleans()):
+                value.update(values)
+                tag.update(values)
+            history.append(put(t0, t1, values) if kind == "put"
+                           else put(t0, None, values, outcome="info"))
         elif kind == "clear":
-            state.update({k: ABSENT for k in keys})
+            value.update({k: ABSENT for k in keys})
+            tag.update({k: ABSENT for k in keys})
             history.append(op("clear", t0, t1, {k: ABSENT for k in keys}))
+        elif kind == "unit_loss":  # the rows of some keys (the lost unit's) become LOST
+            value.update({k: LOST for k in KEYS if value[k] != ABSENT and draw(st.booleans())})
+            history.append(op("unit_loss", t0, t1, {k: LOST for k in KEYS}, optional=True))
         elif kind == "get":
-            history.append(get(t0, t1, {k: state[k] for k in keys}))
+            history.append(get(t0, t1, {k: value[k] for k in keys}))
         elif kind == "list":
-            history.append(op("list", t0, t1, {k: UNLISTED if state[k] == ABSENT else LISTED
-                                               for k in KEYS}, {k: state[k] for k in KEYS}))
+            history.append(op("list", t0, t1, {k: UNLISTED if value[k] == ABSENT else LISTED
+                                               for k in KEYS}, {k: tag[k] for k in KEYS}))
         elif kind == "dump":
-            seen = {k: state[k] for k in keys if state[k] != ABSENT}
-            dumps.append(seen)
-            history.append(op("dump", t0, t1, seen, dict(seen)))
-        elif dumps:
-            captured = draw(st.sampled_from(dumps))
-            state.update(captured)
-            history.append(op("load", t0, t1, captured))
+            seen = [k for k in keys if value[k] not in (ABSENT, LOST)]
+            dumps.append(({k: value[k] for k in seen}, {k: tag[k] for k in seen}))
+            history.append(op("dump", t0, t1, *dumps[-1]))
+        elif kind == "ckpt_save":
+            ckpts.append((dict(value), dict(tag)))
+            history.append(op("ckpt_save", t0, t1, *ckpts[-1]))
+        elif (dumps if kind == "load" else ckpts):
+            values, tags = draw(st.sampled_from(dumps if kind == "load" else ckpts))
+            value.update(values)
+            tag.update(tags)
+            history.append(op(kind, t0, t1, values, tags))
     return history
 
 
@@ -239,7 +248,8 @@ def _superseded(history, read: Op, key) -> list[str]:
         if old.kind != "put" or old.outcome != "ok" or u == read.values[key] or \
                 sum(1 for o in writes if o.values[key] == u) != 1:
             continue
-        if any(new.outcome == "ok" and new.values[key] != u and old.complete < new.invoke
+        if any(new.outcome == "ok" and not new.optional and new.values[key] != u
+               and old.complete < new.invoke
                and new.complete < read.invoke for new in writes):
             out.append(u)
     return out
