@@ -1,0 +1,67 @@
+"""Concurrent clients against a real deployment, their history checked for per-key
+linearizability (see checker.py for the model and workload.py for the clients).
+
+Quick tier: ~10 s of 5 clients against 2 units. Slow tier: >= 2 minutes with unit and
+controller kills. Both assert no violation, no bare KeyError reaching a caller, and a minimum
+of successful ops of every kind (so neither can pass without having tested anything).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import workload
+from checker import check
+
+pytestmark = pytest.mark.xdist_group("linearizability")  # CPU-heavy: one at a time
+
+QUICK_MIN_OK = {"put": 50, "get": 50, "clear": 10, "list": 20, "dump": 5, "load": 5,
+                "ckpt_save": 3, "ckpt_load": 2}
+SLOW_MIN_OK = {"put": 300, "get": 300, "clear": 50, "list": 100, "dump": 20, "load": 20,
+               "ckpt_save": 10, "ckpt_load": 5, "unit_loss": 2}
+
+
+def _run_and_check(tmp_path, *, workers: int, seconds: float, min_ok: dict, **kwargs):
+    seed = random.randrange(2**32)
+    dep = workload.start_deployment(str(tmp_path / "state"))
+    try:
+        result = workload.run(dep, tmp_path / "run", workers=workers, seconds=seconds,
+                              seed=seed, **kwargs)
+    finally:
+        dep.stop()
+    verdict = check(result.history)
+    report = "\n".join([
+        f"seed {seed}: {len(result.history)} ops by {workers} clients in {seconds:g}s",
+        result.table(),
+        "errors: " + ", ".join(f"{k} {n}" for k, n in result.errors.most_common()),
+        *([f"nemesis: {'; '.join(result.nemesis)}"] if result.nemesis else []),
+        f"bare KeyErrors: {len(result.bare_keyerrors)}",
+        *result.bare_keyerrors[:5],
+        "checker: " + verdict.summary(limit=6)])
+    print(report)
+    problems = list(result.anomalies)
+    if result.bare_keyerrors:
+        problems.append(f"{len(result.bare_keyerrors)} bare KeyError(s) reached a caller")
+    if not verdict.ok:
+        problems.append(f"the history is not linearizable: {verdict.counts()}"
+                        + (f", search bound hit on {verdict.unknown}" if verdict.unknown else ""))
+    few = {k: result.counts.get(k, {}).get("ok", 0) for k, n in min_ok.items()
+           if result.counts.get(k, {}).get("ok", 0) < n}
+    if few:
+        problems.append(f"too few successful ops (got {few}, want {min_ok})")
+    assert not problems, "\n".join(problems) + "\n\n" + report
+    return result
+
+
+def test_concurrent_history_is_linearizable(tmp_path):
+    _run_and_check(tmp_path, workers=5, seconds=10.0, min_ok=QUICK_MIN_OK)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_history_with_unit_and_controller_kills_is_linearizable(tmp_path):
+    seed = random.randrange(2**32)
+    result = _run_and_check(tmp_path, workers=4, seconds=130.0, min_ok=SLOW_MIN_OK,
+                            nemesis=workload.kill_nemesis(seed), unblock=True)
+    assert any(n.startswith("controller") for n in result.nemesis), result.nemesis
