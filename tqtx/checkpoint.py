@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 
 from . import faults, paths
 from . import format as fmt
 from .publish import Publication, dump_lock, recover_publications
-from .errors import DumpFormatError, DumpNotFoundError
+from .errors import DumpFormatError, DumpNotFoundError, TqtxError
+from .fence import FENCE_ATTEMPTS, fence_pause
 from .journal.store import DumpJournal
 from .version import __version__
 from .wire.codec import packb, unpackb
@@ -55,9 +57,6 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
                     "their rows in memory, so the checkpoint always includes them")
     # fails early on non-JSON metadata
     user_meta = json.dumps({"storage_saved": True, "user_metadata": metadata or {}}, indent=2)
-    snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
-    faults.hit("client.checkpoint.after_snapshot")
-    per_unit = _unit_requests(snap["metadata"], client.num_units)
     with dump_lock(ckpt_dir):
         recover_publications(ckpt_dir)
         paths.check_publish_target(ckpt_dir, "checkpoint")  # again, now under the lock
@@ -65,11 +64,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
             pub = Publication(ckpt_dir, kind="checkpoint", dump_id=None, journal=journal)
             try:
                 units_dir = pub.staging_dir / "units"
-                units_dir.mkdir()
-                for u, body in per_unit.items():
-                    body["path"] = str(units_dir / f"unit-{u}.bin")
-                replies = client.fan_out("SAVE_CHECKPOINT", per_unit)
-                _leave_out_missing(snap["metadata"], replies)
+                snap, replies = _save_units(client, units_dir)
                 units = []
                 for u, r in sorted(replies.items()):
                     idx = _write(units_dir / f"unit-{u}.index", packb(r["entries"]))
@@ -93,6 +88,66 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
             "seconds": time.perf_counter() - t0}
 
 
+def _save_units(client, units_dir) -> tuple[dict, dict]:
+    """The controller's metadata snapshot and every unit's file of the rows it names, in
+    ``units_dir``: ``(snapshot, SAVE_CHECKPOINT replies)``.
+
+    Each row is saved at the generation the snapshot names; a row that moved since is
+    settled with the controller (CHECKPOINT_CHECK): its key was cleared (absent from the
+    checkpoint, as if it had been taken after the clear) or its row lost (named lost in
+    the checkpoint, as a RowsLostError on read). A checkpoint loaded while this one was
+    being written replaced every row: the snapshot is taken again (at most
+    FENCE_ATTEMPTS times)."""
+    for attempt in range(FENCE_ATTEMPTS):
+        snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
+        faults.hit("client.checkpoint.after_snapshot")
+        per_unit = _unit_requests(snap["metadata"], client.num_units)
+        units_dir.mkdir()
+        for u, body in per_unit.items():
+            body["path"] = str(units_dir / f"unit-{u}.bin")
+        replies = client.fan_out("SAVE_CHECKPOINT", per_unit)
+        if _settle_missing(client, snap, replies):
+            return snap, replies
+        shutil.rmtree(units_dir)  # this attempt's files, in the checkpoint's staging dir
+        if attempt + 1 < FENCE_ATTEMPTS:
+            fence_pause(attempt + 1)
+    raise TqtxError(f"save_checkpoint: the buffer was replaced by load_checkpoint during each "
+                    f"of {FENCE_ATTEMPTS} tries to save it; try again")
+
+
+def _settle_missing(client, snap: dict, replies: dict) -> bool:
+    """Settle the rows the units no longer held at the snapshot's generation (see
+    :func:`_save_units`) in ``snap``'s metadata; False if a checkpoint load replaced the
+    buffer since the snapshot."""
+    missing = {i for r in replies.values() for i in r.get("missing", ())}
+    if not missing:
+        return True
+    meta = snap["metadata"]
+    moved = [[pid, r[0], r[5]] for pid, data in meta["partitions"].items()
+             for r in data["rows"] if r[1] in missing]
+    check = client.controller.call("CHECKPOINT_CHECK", {"epoch": snap["epoch"],
+                                                        "rows": moved})
+    if check["replaced"]:
+        return False
+    lost = {(pid, key) for pid, key in check["lost"]}
+    cleared = 0
+    for pid, data in list(meta["partitions"].items()):
+        kept = []
+        for r in data["rows"]:
+            if r[1] not in missing:
+                kept.append(r)
+            elif (pid, r[0]) in lost:
+                kept.append([*r[:4], r[1] % client.num_units, r[5]])
+            else:
+                cleared += 1
+        data["rows"] = kept
+        if not kept:
+            del meta["partitions"][pid]
+    log.info("save_checkpoint: %d keys cleared while it ran are left out, %d rows lost "
+             "meanwhile are named lost", cleared, len(lost))
+    return True
+
+
 def _unit_requests(meta: dict, num_units: int) -> dict[int, dict]:
     """Per unit, the SAVE_CHECKPOINT request naming the rows of ``meta`` (the controller's
     snapshot) it holds: index, generation, key and partition of every row with fields that
@@ -110,20 +165,6 @@ def _unit_requests(meta: dict, num_units: int) -> dict[int, dict]:
     return {u: {"indexes": pack_int64(c[0]), "gens": pack_int64(c[1]), "keys": c[2],
                 "part_of": pack_int64(c[3]), "partitions": partitions}
             for u, c in cols.items()}
-
-
-def _leave_out_missing(meta: dict, replies: dict) -> None:
-    """Drop from ``meta`` the keys whose rows a unit no longer held at the snapshot's
-    generation: cleared (or cleared and put again) after the controller's snapshot, they
-    are absent from the checkpoint, as if it had been taken after the clear."""
-    missing = {i for r in replies.values() for i in r.get("missing", ())}
-    if not missing:
-        return
-    for pid, data in list(meta["partitions"].items()):
-        data["rows"] = [r for r in data["rows"] if r[1] not in missing]
-        if not data["rows"]:
-            del meta["partitions"][pid]
-    log.info("save_checkpoint: %d keys cleared while it ran are left out", len(missing))
 
 
 def _read_checked(path, entry: dict) -> bytes:

@@ -73,6 +73,17 @@ class StaleRowsError(TqtxError):
         return {"indexes": self.indexes}
 
 
+class PutPartlyAppliedError(TqtxError):
+    """A put stored some of its keys, then failed for the others (e.g. a restore began in
+    the partition while a key the put was creating had to be created again). ``stored``
+    and ``failed`` name them; put the failed ones again."""
+
+    def __init__(self, message: str = "", *, stored=(), failed=()):
+        super().__init__(message)
+        self.stored = list(stored)
+        self.failed = list(failed)
+
+
 class _MessageError(TqtxError):
     """A tqtx error whose ``str`` is its message, unquoted even when it is a KeyError."""
 

@@ -8,7 +8,7 @@ from ALLOC, as if it had come after the clear (:mod:`tqtx.fence`).
 from __future__ import annotations
 
 from . import faults
-from .errors import PeerDiedError
+from .errors import PeerDiedError, PutPartlyAppliedError
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from .wire.rpc import new_id
 
@@ -18,48 +18,76 @@ _CONTROLLER_LOST = (PeerDiedError,)
 
 
 class _ControllerRestarted(Exception):
-    """A put step met a new controller incarnation: the put is redone from ALLOC."""
-
-
-class _StalePut(Exception):
-    """Some keys of a put no longer hold the generation ALLOC gave (cleared, or cleared and
-    created again, meanwhile): nothing of the put was committed; it is redone from ALLOC."""
-
-    def __init__(self, keys):
-        super().__init__(keys)
-        self.keys = keys
+    """A put step met a new controller incarnation (which forgot the uncommitted ALLOC):
+    the put is redone from ALLOC. ``args[0]``: the step, ALLOC or COMMIT_PUT."""
 
 
 def put_columns(client, keys: list[str], pid: str, columns: dict[str, list],
                 schemas: dict[str, dict], tags: list | None) -> list[str]:
     """Store rows (columns of per-row values) for ``keys``; returns the common fields.
 
-    ALLOC, PUT_ROWS to the units, COMMIT_PUT. If the controller goes away during the
-    put, it is waited for (:meth:`Client.await_controller`): the same controller is asked
-    again by request ID; a new one (which forgot the uncommitted ALLOC) gets the whole
-    put once more from ALLOC with the same values, which has the same effect as one
-    put. So does a put some of whose keys were cleared (or cleared and put again)
-    between ALLOC and COMMIT_PUT: the rows it wrote for them are dropped and it is
-    redone, as if it had come after the clear (at most FENCE_ATTEMPTS times). Unit and
-    validation errors are never retried; a put that fails leaves no row of a new key
-    on any unit."""
+    ALLOC, PUT_ROWS to the units, COMMIT_PUT. A key's new value is visible from its
+    PUT_ROWS on (that is the put's moment for it); the commit publishes new keys, new
+    fields and the tags. Then:
+
+    * A key that existed at ALLOC and was cleared (or cleared and put again) before the
+      commit: the put came before that clear; it is not written again (its rows, if they
+      were refused or became orphans, are dropped where they still hold its generation).
+    * A key that was new (pending) at ALLOC and was abandoned meanwhile (a concurrent put
+      of the same new key failed): its rows were never visible; the put of that key is
+      redone from ALLOC (at most FENCE_ATTEMPTS times).
+    * The controller went away: it is waited for (:meth:`Client.await_controller`); the
+      same process is asked again by request ID; a new one (which forgot the uncommitted
+      ALLOC) gets the put once more from ALLOC, rows written again only for the keys that
+      were new (the others' values are on the units already).
+
+    Unit and validation errors are never retried; a put that fails leaves no row of a new
+    key on any unit. A put that committed some keys and then failed raises
+    PutPartlyAppliedError naming both sets."""
     what = f"putting {len(keys)} key(s) in partition {pid!r}"
+    todo = list(range(len(keys)))  # positions of the keys still to put
+    write = None  # positions (within todo) whose rows must be written; None: all
+    done: list[str] = []
+    common = None
     restarted = 0
-    stale: list = []
     for attempt in range(FENCE_ATTEMPTS):
+        sub_keys = [keys[i] for i in todo]
+        sub_cols = {f: [c[i] for i in todo] for f, c in columns.items()}
+        sub_tags = None if tags is None else [tags[i] for i in todo]
         try:
-            return _put_once(client, keys, pid, columns, schemas, tags, what)
-        except _ControllerRestarted:
+            fields, redo, nbytes = _put_once(client, sub_keys, pid, sub_cols, schemas,
+                                             sub_tags, what, write)
+        except _ControllerRestarted as exc:
             restarted += 1
             if restarted == 2:
-                raise PeerDiedError(
+                raise _failed(PeerDiedError(
                     f"the controller at {client.address} restarted twice while {what}; none "
-                    f"of its keys is committed by this call: put them again") from None
-        except _StalePut as exc:
-            stale = exc.keys
+                    f"of its keys is committed by this call: put them again"), done, sub_keys)
+            # rows of keys that existed are on the units already if PUT_ROWS ran
+            write = exc.pending if exc.args[0] == "COMMIT_PUT" else None
+            continue
+        except BaseException as exc:
+            raise _failed(exc, done, sub_keys) from None
+        client.count("puts", len(sub_keys) - len(redo), nbytes)
+        common = set(fields) if common is None else common & set(fields)
+        if not redo:
+            return sorted(common)
+        done += [k for j, k in enumerate(sub_keys) if j not in set(redo)]
+        todo, write = [todo[j] for j in redo], None
         if attempt + 1 < FENCE_ATTEMPTS:
             fence_pause(attempt + 1)
-    raise stale_keys_error(what, stale, pid)
+    raise _failed(stale_keys_error(what, [keys[i] for i in todo], pid), done,
+                  [keys[i] for i in todo])
+
+
+def _failed(exc: BaseException, done: list[str], failed: list[str]) -> BaseException:
+    """``exc``, or PutPartlyAppliedError if keys of the put were committed before it."""
+    if not done:
+        return exc
+    return PutPartlyAppliedError(
+        f"kv_batch_put: keys {done[:10]} were stored, but storing {failed[:10]} then failed: "
+        f"{type(exc).__name__}: {exc}", stored=done, failed=failed)
+
 
 def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str):
     """One controller request of a put, sent to controller ``incarnation``; raises
@@ -76,15 +104,19 @@ def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str)
     except _CONTROLLER_LOST:
         raise _ControllerRestarted(op) from None
 
-def _put_once(client, keys, pid, columns, schemas, tags, what) -> list[str]:
+
+def _put_once(client, keys, pid, columns, schemas, tags, what, write) -> tuple:
+    """One ALLOC, PUT_ROWS (of the rows at positions ``write``, None: all), COMMIT_PUT;
+    returns ``(common fields, positions to redo, bytes written)``."""
     alloc = _put_step(client, "ALLOC", {"partition_id": pid, "keys": keys, "schemas": schemas},
-                           client.controller_incarnation, what,
-                           "none of its keys was stored or committed")
+                      client.controller_incarnation, what,
+                      "none of its keys was stored or committed")
     faults.hit("client.put.after_alloc")
     topology = alloc.get("topology")
     incarnation = None if topology is None else topology >> 32
-    indexes, gens = alloc["indexes"], alloc["gens"]
+    indexes, gens, pending = alloc["indexes"], alloc["gens"], alloc["pending"]
     nbytes = 0
+    refused: set = set()
     try:
         if columns:
             per_unit: dict[int, dict] = {}
@@ -92,47 +124,43 @@ def _put_once(client, keys, pid, columns, schemas, tags, what) -> list[str]:
             cols = [columns[f] for f in names]
             n = client.num_units
             for i, idx in enumerate(indexes):
+                if write is not None and i not in write:
+                    continue
                 req = per_unit.get(idx % n)
                 if req is None:
                     req = per_unit[idx % n] = {"rows": [], "gens": []}
                 req["rows"].append([idx, {f: c[i] for f, c in zip(names, cols)}])
                 req["gens"].append(gens[i])
-            replies = client.fan_out("PUT_ROWS", per_unit)
+            replies = client.fan_out("PUT_ROWS", per_unit) if per_unit else {}
             nbytes = sum(r.get("bytes", 0) for r in replies.values())
             refused = {i for r in replies.values() for i in r.get("stale", ())}
-            if refused:
-                raise _StalePut([k for k, i in zip(keys, indexes) if i in refused])
         faults.hit("client.put.before_commit")
         outcome = ("its rows are on the units but its commit may not have been applied: "
                    "put the keys again (the same put twice has the effect of one) or see "
                    "kv_list")
         try:
             res = _put_step(client, "COMMIT_PUT", {"partition_id": pid, "keys": keys,
-                                                "fields": list(columns), "tags": tags,
-                                                "gens": gens},
-                                 incarnation, what, outcome)
-        except KeyError:  # the partition ALLOC created is unknown
-            # Sent to a controller restarted since ALLOC (the socket reconnects by
-            # itself)? It forgot the uncommitted keys: then the put is redone.
-            topo = client.await_controller(what, outcome=outcome)
-            if incarnation is not None and topo.get("incarnation") != incarnation:
-                raise _ControllerRestarted("COMMIT_PUT") from None
+                                                   "fields": list(columns), "tags": tags,
+                                                   "gens": gens},
+                            incarnation, what, outcome)
+        except _ControllerRestarted as exc:
+            exc.pending = {j for j, p in enumerate(pending) if p}
             raise
-        if res.get("stale"):
-            raise _StalePut(res["stale"])
-    except _StalePut as exc:
-        # Rows written for keys that moved are dropped (only where they still hold the
-        # generation this put wrote); the put's other keys keep theirs for the redo.
-        gone = set(exc.keys)
-        client.drop_rows([(i, g) for k, i, g in zip(keys, indexes, gens) if k in gone])
-        raise
     except _ControllerRestarted:
         raise
     except BaseException:
         _abandon_put(client, pid, keys, gens)
         raise
-    client.count("puts", len(keys), nbytes)
-    return res["fields"]
+    stale = set(res.get("stale") or ())
+    if refused:  # a unit held a newer key at the index: the key had moved (see above)
+        stale.update(k for k, i in zip(keys, indexes) if i in refused)
+    if not stale:
+        return res["fields"], [], nbytes
+    # Rows written for keys that moved are dropped (only where they still hold the
+    # generation this put wrote); keys that were new are put again.
+    client.drop_rows([(i, g) for k, i, g in zip(keys, indexes, gens) if k in stale])
+    return res["fields"], [j for j, k in enumerate(keys) if k in stale and pending[j]], nbytes
+
 
 def _abandon_put(client, pid: str, keys: list[str], gens: list[int]) -> None:
     """After a put failed: the controller forgets the pending keys it created and their
@@ -140,7 +168,7 @@ def _abandon_put(client, pid: str, keys: list[str], gens: list[int]) -> None:
     that is gone forgot them anyway, and its successor has the units drop the rows."""
     try:
         res = client.controller.call("ABORT_PUT", {"partition_id": pid, "keys": keys,
-                                                 "gens": gens}, timeout=10)
+                                                   "gens": gens}, timeout=10)
         client.drop_rows([tuple(p) for p in res["abandoned"]])
     except Exception:  # noqa: BLE001 - the put's own error is what the caller sees
         pass

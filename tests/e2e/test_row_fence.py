@@ -93,13 +93,33 @@ def test_get_of_a_key_put_again_at_its_index_reads_the_new_value(dep, race):
 
 
 def test_put_that_raced_a_clear_and_reuse_leaves_the_other_key_alone(dep, race):
-    _put(["a"], 1)
+    _put(["a", "c"], 1, 3)
     hits = race("client.put.after_alloc", _clear_and_reuse)
-    _put(["a"], 5)  # ALLOC gave a's old index; b holds it when the rows arrive
-    assert len(hits) == 2  # redone from ALLOC, as a put after the clear
-    assert tq.kv_batch_get(["b"], P)["x"].tolist() == [[2, 2, 2]]
-    assert tq.kv_batch_get(["a"], P)["x"].tolist() == [[5, 5, 5]]
-    assert tq.kv_list(P)[P] == {"a": {"v": 5}, "b": {"v": 2}}
+    _put(["a", "c"], 5, 6)  # ALLOC gave a's old index; b holds it when the rows arrive
+    # a existed when the put began and was cleared while it ran: the put came first (it
+    # is not written again, which could undo a later put of a); c is stored
+    assert len(hits) == 1
+    assert tq.kv_batch_get(["b", "c"], P)["x"].tolist() == [[2, 2, 2], [6, 6, 6]]
+    assert tq.kv_list(P)[P] == {"b": {"v": 2}, "c": {"v": 6}}
+
+
+def test_put_of_a_new_key_abandoned_meanwhile_is_redone(dep, race):
+    client = tq.get_client()
+
+    def abandon_and_reuse():
+        # a second put of the same new key fails: its ALLOC saw the key pending, its
+        # abort releases it, and the index goes to another key
+        alloc = client.controller.call("ALLOC", {"partition_id": P, "keys": ["n"],
+                                                 "schemas": {}})
+        client.controller.call("ABORT_PUT", {"partition_id": P, "keys": ["n"],
+                                             "gens": alloc["gens"]})
+        _put(["m"], 2)
+        assert _index("m") == alloc["indexes"][0]
+    hits = race("client.put.after_alloc", abandon_and_reuse)
+    _put(["n"], 7)
+    assert len(hits) == 2  # n's rows were never visible: it was put again, elsewhere
+    assert tq.kv_batch_get(["m", "n"], P)["x"].tolist() == [[2, 2, 2], [7, 7, 7]]
+    assert _index("n") != _index("m")
 
 
 def test_clear_whose_drop_comes_after_the_index_was_reused_drops_nothing_else(dep, race):

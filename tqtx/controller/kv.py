@@ -87,28 +87,35 @@ class KVRequests:
                 k not in part.keys and k not in part.pending for k in keys)):
             raise self._pending_error(plan, f"creating keys in partition {pid!r}")
         indexes, gens = self.meta.alloc(pid, keys, schemas)
-        return {"indexes": indexes, "gens": gens, "topology": self.topology_incarnation}
+        visible = self.meta.partitions[pid].keys
+        return {"indexes": indexes, "gens": gens, "pending": [k not in visible for k in keys],
+                "topology": self.topology_incarnation}
 
     def commit_put(self, body, req):
         """Publish the fields (and merge the tags) of rows the units now hold.
 
         The fields' schemas were validated and merged by ALLOC, before any unit wrote. With
-        ``gens`` (the generations ALLOC gave), a key that no longer holds its generation
-        (cleared, or cleared and created again, since ALLOC) makes the whole commit a no-op
-        answered ``{"stale": keys}``: the client redoes the put from ALLOC.
+        ``gens`` (the generations ALLOC gave), keys that no longer hold their generation
+        (cleared, or cleared and created again, since ALLOC) are not committed and come back
+        as ``stale`` (see :func:`tqtx.put_path.put_columns`).
         """
-        pid, keys = body["partition_id"], body["keys"]
-        gens = body.get("gens")
+        pid, keys, tags = body["partition_id"], body["keys"], body.get("tags")
+        gens, stale = body.get("gens"), []
         if gens is not None:
             stale = self.meta.stale_keys(self.meta.partition(pid), keys, gens)
             if stale:
-                return {"stale": stale}
+                moved = set(stale)
+                keep = [i for i, k in enumerate(keys) if k not in moved]
+                keys = [keys[i] for i in keep]
+                tags = None if tags is None else [tags[i] for i in keep]
+                if not keys:
+                    return {"fields": [], "stale": stale}
         change, updates, common = self.meta.plan_commit(
-            pid, keys, body.get("fields") or [], body.get("tags"))
+            pid, keys, body.get("fields") or [], tags)
         self._journal_meta("commit_put", change)
         self.meta.apply_commit(pid, updates)
         faults.hit("controller.meta.commit_put.before_reply")
-        return {"fields": common}
+        return {"fields": common, "stale": stale} if stale else {"fields": common}
 
     def abort_put(self, body, req):
         """A put that failed after ALLOC: forget the pending keys it created (those still
@@ -258,7 +265,23 @@ class KVRequests:
 
     def checkpoint_snapshot(self, body, req):
         self._refuse_if_restoring("save_checkpoint")
-        return {"metadata": self.meta.snapshot(), "num_units": self.num_units}
+        return {"metadata": self.meta.snapshot(), "num_units": self.num_units,
+                "epoch": [self.incarnation, self.replace_epoch]}
+
+    def checkpoint_check(self, body, req):
+        """For a save whose units no longer held some rows at the snapshot's generation:
+        whether the buffer was replaced since (a checkpoint load, or a new controller: the
+        save starts again), and which of ``rows`` (``[partition, key, generation]``) are
+        still there at that generation (their rows were lost: a unit restarted)."""
+        if body["epoch"] != [self.incarnation, self.replace_epoch]:
+            return {"replaced": True, "lost": []}
+        lost = []
+        for pid, key, gen in body["rows"]:
+            part = self.meta.partition(pid)
+            idx = None if part is None else part.keys.get(key)
+            if idx is not None and self.meta.gens.get(idx) == gen:
+                lost.append([pid, key])
+        return {"replaced": False, "lost": lost}
 
     def checkpoint_replace(self, body, req):
         """Replace all metadata with a checkpoint's; with ``load_id`` (the units staged that
@@ -279,6 +302,7 @@ class KVRequests:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
         self._journal_meta("checkpoint_replace", change)
         self.meta.replace(snap, gen_base)
+        self.replace_epoch += 1
         if load_id:
             self.checkpoint_load = (load_id, gen_base)
             self._switch_units()

@@ -77,6 +77,7 @@ class Controller(KVRequests, RestoreProtocol):
         self.restores: dict[str, RestorePlan] = {}
         # a load_checkpoint whose switch is open: (load ID, its rows' generation base)
         self.checkpoint_load: tuple[str, int] | None = None
+        self.replace_epoch = 0  # buffer replacements (checkpoint loads, ends) so far
         self.metajournal = MetaJournal(self.journal.engine, durability)
         self.recovered = replay(self)
         # After replaying a buffer, new rows wait until every unit has re-registered (and
@@ -107,6 +108,7 @@ class Controller(KVRequests, RestoreProtocol):
             ("FINISH_RESTORE", self.finish_restore, True), ("LIST_RESTORES", self.list_restores, False),
             ("GET_RESTORE", self.get_restore, False),
             ("CHECKPOINT_SNAPSHOT", self.checkpoint_snapshot, False),
+            ("CHECKPOINT_CHECK", self.checkpoint_check, False),
             ("CHECKPOINT_REPLACE", self.checkpoint_replace, True),
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
             ("END_BUFFER", self.end_buffer, True), ("SHUTDOWN", self.shutdown, True),
@@ -223,6 +225,7 @@ class Controller(KVRequests, RestoreProtocol):
         self._refuse_if_restoring("closing the buffer")
         self._journal_meta("end_buffer", MetaChange(replace=True))
         self.meta.replace({"next_index": 0, "partitions": {}})
+        self.replace_epoch += 1
         log.info("buffer ended by its owner: metadata discarded")
         faults.hit("controller.meta.end_buffer.before_reply")
         return {"ok": True}
