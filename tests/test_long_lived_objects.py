@@ -17,7 +17,7 @@ import tracemalloc
 import pytest
 
 from tqtx.metrics import Metrics
-from tqtx.storage.redo import AppliedRestores
+from tqtx.storage.restore import AppliedRestores
 from tqtx.wire.peer import Peer
 from tqtx.wire.rpc import Server
 
@@ -96,7 +96,7 @@ def test_applied_restores_keep_no_object_per_restore():
         for i in range(1000):
             applied.record(f"{i:032x}", i)
         after = tracemalloc.take_snapshot()
-    assert _blocks_from(before, after, "storage/redo.py", "wire/id_records.py") <= 2
+    assert _blocks_from(before, after, "storage/restore.py", "wire/id_records.py") <= 2
     assert applied.get(f"{999:032x}") == {"rows": 999} and f"{999:032x}" in applied
     assert applied.get(f"{0:032x}") is None  # only the last 256 are kept
 

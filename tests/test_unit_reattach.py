@@ -222,16 +222,16 @@ def test_fault_point_after_snapshot(unit, ctl, peer):
 
 
 def test_drop_staged_drops_staged_rows(unit, ctl, peer):
-    with unit.lock:
-        unit.staging["r-keep"] = {5: (True, {"a": _tensor(5)})}
-        unit.staging["r-gone"] = {6: (True, {"a": _tensor(6)})}
+    with unit.restore.lock:
+        unit.restore.staging["r-keep"] = {5: (_gen(5), {"a": _tensor(5)})}
+        unit.restore.staging["r-gone"] = {6: (_gen(6), {"a": _tensor(6)})}
     ctl.reply = {"drop_staged": ["r-gone"]}
     body = _register_again(unit, ctl)
     assert sorted(body["staged"]) == ["r-gone", "r-keep"]
     _wait(lambda: _stats(peer)["staged_restores"] == ["r-keep"], "the staged drop")
     res = peer.call("APPLY_STAGED", {"restore_id": "r-gone"})
     assert res.get("lost") is True  # nothing staged any more
-    assert "r-gone" in unit.dropped
+    assert "r-gone" in unit.restore.dropped
 
 
 def test_new_incarnation_on_ping_registers_once(unit, ctl, peer):

@@ -1,7 +1,7 @@
 """REGISTER_UNIT and re-attach: a unit reports what it holds to (a restarted) controller.
 
-Mixed into :class:`tqtx.storage.unit.StorageUnit` (uses its server, rows, staging,
-lock, drop_rows and drop_staged). The held report is built from a snapshot of the rows;
+Mixed into :class:`tqtx.storage.unit.StorageUnit` (uses its server, rows, gens, restore
+worker and drop_rows). The held report is built from a snapshot of the rows;
 the controller answers which of them it does not know (``drop``) and which staged
 restores it does not hold open (``drop_staged``). Only the request loop writes
 ``self.rows``, so the drop runs there (:meth:`Server.call_soon`), sparing every index a
@@ -88,8 +88,7 @@ class UnitAttach:
             # rows and gens change together only on the loop: both copies are taken under
             # the GIL in one go, so a row and its generation always match
             snapshot, gens = dict(rows), dict(self.gens)
-            with self.lock:
-                staged = list(self.staging)
+            staged = self.restore.staged_ids()
             faults.hit("unit.register.after_snapshot")
             body = {"unit_id": self.unit_id, "address": self.address,
                     "held": held_report(snapshot, gens), "staged": staged,
@@ -139,7 +138,7 @@ class UnitAttach:
             log.info("unit %d dropped %d rows the controller does not know (kept %d written "
                      "since its report)", self.unit_id, done["dropped"], kept)
         for rid in drop_staged:
-            self.drop_staged({"restore_id": rid}, None)
+            self.restore.drop_staged({"restore_id": rid}, None)
 
     # ---------------------------------------------------------------- heartbeat
     def start_heartbeat(self, period: float | None = None) -> threading.Thread | None:

@@ -110,8 +110,7 @@ class UnitCheckpoints:
         unit.gens = {idx: base + idx for idx in rows}
         unit.bytes_held = total
         self.applied = load_id
-        with unit.lock:
-            unit.staging.clear()
+        unit.restore.drop_all()
         return {"rows": len(rows)}
 
     def drop(self, body, req):

@@ -23,22 +23,18 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 
-from .. import faults
-from .. import format as fmt
 from ..errors import StaleRowsError
 from ..placement.probe import node_name, unit_probe
-from ..plan import LoadItem
 from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Server
 from ..wire.values import forget_shapes, value_nbytes
-from . import loading
 from .attach import UnitAttach
 from .checkpoints import UnitCheckpoints
 from .dump_job import DumpJob
 from .memory import free_bytes, own_small_frames
-from .redo import AppliedRestores, RedoRestore
+from .restore import RestoreWorker
 from .replies import into_reply, reply_columns
 
 log = logging.getLogger("tqtx.unit")
@@ -71,7 +67,7 @@ def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
         return False
 
 
-class StorageUnit(RedoRestore, UnitAttach):
+class StorageUnit(UnitAttach):
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
                  port: int = 0, curve=None, client_curve=None):
         self.unit_id = unit_id
@@ -81,11 +77,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.address = self.server.address
         self.rows: dict[int, dict] = {}
         self.gens: dict[int, int] = {}  # index -> generation of the row held there
-        self.staging: dict[str, dict[int, tuple[int, dict]]] = {}  # rid -> {dest: (gen, row)}
-        self.applied = AppliedRestores()
-        self.dropped: set[str] = set()
-        self.redoing: dict[str, list] = {}  # restore_id -> deferred replies of a running redo
-        self.lock = threading.Lock()
+        self.restore = RestoreWorker(self)
         self.dump_jobs: dict[str, DumpJob] = {}
         self.checkpoints = UnitCheckpoints(self)
         self.pool = ThreadPoolExecutor(max_workers=IO_THREADS,
@@ -102,9 +94,10 @@ class StorageUnit(RedoRestore, UnitAttach):
             ("DROP_ROWS", self.drop_rows, True),
             ("DUMP_ROWS", self.dump_rows, True), ("DUMP_SNAPSHOT", self.dump_snapshot, True),
             ("DUMP_WAIT", self.dump_wait, False), ("DUMP_CANCEL", self.dump_cancel, False),
-            ("LOAD_ROWS", self.load_rows, True),
-            ("APPLY_STAGED", self.apply_staged, True), ("DROP_STAGED", self.drop_staged, True),
-            ("REDO_RESTORE", self.redo_restore, True),
+            ("LOAD_ROWS", self.restore.load_rows, True),
+            ("APPLY_STAGED", self.restore.apply_staged, True),
+            ("DROP_STAGED", self.restore.drop_staged, True),
+            ("REDO_RESTORE", self.restore.redo_restore, True),
             ("SAVE_CHECKPOINT", self.checkpoints.save, True),
             ("LOAD_CHECKPOINT", self.checkpoints.load, True),
             ("APPLY_CHECKPOINT", self.checkpoints.apply, True),
@@ -119,7 +112,7 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.metrics = s.metrics
         self.metrics.gauge("rows_held", lambda: len(self.rows))
         self.metrics.gauge("bytes_held", lambda: self.bytes_held)
-        self.metrics.gauge("open_restores", lambda: len(self.staging))
+        self.metrics.gauge("open_restores", lambda: len(self.restore.staging))
 
     def controller(self) -> Peer:
         return Peer(self.controller_address, "controller", timeout=60, curve=self.client_curve)
@@ -136,42 +129,54 @@ class StorageUnit(RedoRestore, UnitAttach):
         self.server.stop()
         return {"ok": True}
 
+    def store_row(self, idx: int, gen: int, values: dict) -> int | None:
+        """Store ``values`` at ``idx`` as generation ``gen``: merged into a row of that
+        generation (copy-on-write: snapshots of the old row stay intact), replacing a row
+        of an older one (another key left it). None, and nothing stored, where the row is
+        newer; else the bytes of ``values``. Used by puts and restores alike."""
+        rows, gens = self.rows, self.gens
+        held = gens.get(idx)
+        if held is not None and held > gen:
+            return None
+        nbytes = freed = 0
+        for value in values.values():
+            nbytes += value_nbytes(value)
+        old = rows.get(idx)
+        if held != gen or old is None:
+            if old:
+                freed = _row_nbytes(old)
+            rows[idx] = values
+            gens[idx] = gen
+        else:
+            row = dict(old)
+            for f in values:
+                if f in old:
+                    freed += value_nbytes(old[f])
+            row.update(values)
+            rows[idx] = row
+        self.bytes_held += nbytes - freed
+        return nbytes
+
     def put_rows(self, body, req):
-        """Store rows (``rows``: ``[index, values]``, ``gens``: the generation of each):
-        merged into a row of that generation, replacing a row of an older one (another key
-        left it), refused where the row is newer (the put's key was cleared and the index
-        given to another key since ALLOC): those indexes come back as ``stale``."""
+        """Store rows (``rows``: ``[index, values]``, ``gens``: the generation of each; see
+        :meth:`store_row`). Rows refused because the index holds a newer generation (the
+        put's key was cleared and the index given to another key since ALLOC) come back as
+        ``stale``."""
         items, want = body["rows"], body["gens"]
         if len(want) != len(items):
             raise ValueError(f"PUT_ROWS: {len(want)} generations for {len(items)} rows")
-        rows, gens = self.rows, self.gens
-        nbytes = freed = 0
+        store = self.store_row
+        nbytes = 0
         stale, written = [], []
         # Each decoded tensor owns its frame (or inline bytes): storing it pins nothing else
         # (frames that would share a ZeroMQ receive buffer are copied out of it).
         for (idx, values), gen in zip(items, want):
-            held = gens.get(idx)
-            if held is not None and held > gen:
+            n = store(idx, gen, own_small_frames(values))
+            if n is None:
                 stale.append(idx)
-                continue
-            values = own_small_frames(values)
-            for value in values.values():
-                nbytes += value_nbytes(value)
-            old = rows.get(idx)
-            if held != gen or old is None:
-                if old:
-                    freed += _row_nbytes(old)
-                rows[idx] = values
-                gens[idx] = gen
             else:
-                row = dict(old)  # copy-on-write: snapshots of the old row stay intact
-                for f in values:
-                    if f in old:
-                        freed += value_nbytes(old[f])
-                row.update(values)
-                rows[idx] = row
-            written.append(idx)
-        self.bytes_held += nbytes - freed
+                nbytes += n
+                written.append(idx)
         if self.write_watch:  # a registration is in flight: these rows must survive its reply
             self._note_writes(written)
         reply = {"rows": len(written), "bytes": nbytes}
@@ -331,162 +336,13 @@ class StorageUnit(RedoRestore, UnitAttach):
             log.info("dump %s: unit %d cancelling its shard write", job.dump_id, self.unit_id)
         return {"cancelled": job is not None}
 
-    # ---------------------------------------------------------------- restore
-    def load_rows(self, body, req):
-        """Claim permission, read only the assigned byte ranges, verify, stage invisibly."""
-        rid = body["restore_id"]
-        deferred = self.server.deferred(req, self.server.current_ident)
-        self.pool.submit(self._load_job, rid, body, deferred)
-        return deferred
-
-    def _load_job(self, rid, body, deferred):
-        t0 = time.perf_counter()
-        peer = self.controller()
-        staged: dict[int, tuple[int, dict]] = {}
-        claimed = False
-        claim = None
-        try:
-            claimed = True  # from here on the controller may have journaled our claim
-            # Reading changes nothing: the claim travels while the first batch is read, and
-            # its reply is awaited before anything is staged (loading.py).
-            claim = loading.Report(peer, {"restore_id": rid, "unit_id": self.unit_id,
-                                          "action": "claim"})
-
-            def claimed_then_check():
-                nonlocal claim
-                if claim is not None:
-                    pending, claim = claim, None
-                    pending.wait()
-                    log.info("restore %s: unit %d claimed %d rows", rid, self.unit_id,
-                             len(body["items"]))
-                    faults.hit("unit.load.after_claim")
-
-            def after_batch():
-                claimed_then_check()
-                faults.hit("unit.load.after_read_batch")
-                if rid in self.dropped:
-                    raise RuntimeError(f"restore {rid} was abandoned while unit "
-                                       f"{self.unit_id} was loading")
-
-            reads = loading.ReadPlan(map(LoadItem.from_wire, body["items"]),
-                                     check_key=body.get("format_version", 1) >= 2)
-            nbytes = loading.read_and_check(reads, body["field_schema"], staged, after_batch)
-            claimed_then_check()
-            with self.lock:
-                if rid in self.dropped:
-                    raise RuntimeError(f"restore {rid} was abandoned while unit {self.unit_id} "
-                                       f"was loading")
-                self.staging[rid] = staged
-            faults.hit("unit.load.after_stage")
-            try:
-                self._report(peer, {"restore_id": rid, "unit_id": self.unit_id,
-                                    "action": "staged", "rows": len(staged), "bytes": nbytes})
-            except BaseException:
-                with self.lock:
-                    self.staging.pop(rid, None)
-                raise
-            seconds = time.perf_counter() - t0
-            log.info("restore %s: unit %d staged %d rows (%d bytes) in %.3fs", rid, self.unit_id,
-                     len(staged), nbytes, seconds)
-            m = self.metrics
-            m.add("loads_total")
-            m.add("load_rows_total", len(staged))
-            m.add("load_bytes_total", nbytes)
-            m.add("load_seconds_total", seconds)
-            deferred.reply({"rows": len(staged), "bytes": nbytes, "seconds": seconds})
-        except faults.DropReply as exc:
-            deferred.reply(error=exc)
-        except BaseException as exc:
-            log.error("restore %s: unit %d failed: %s", rid, self.unit_id, exc)
-            staged.clear()
-            if claimed:
-                try:
-                    if claim is not None and not claim.done:
-                        claim.wait()  # a claim still in flight: our failure report follows it
-                except Exception:  # noqa: BLE001 - the failure below is what gets reported
-                    pass
-                try:
-                    self._report(peer, {"restore_id": rid, "unit_id": self.unit_id,
-                                        "action": "failed", "error": str(exc)})
-                except Exception as report_exc:
-                    log.error("restore %s: unit %d could not report its failure: %s", rid,
-                              self.unit_id, report_exc)
-            deferred.reply(error=exc)
-        finally:
-            peer.close()
-
-    @staticmethod
-    def _report(peer: Peer, body: dict) -> dict:
-        """RESTORE_UNIT to the controller and its reply (:class:`loading.Report`: a lost
-        reply is retried with the same request ID; a controller that is gone is not)."""
-        return loading.Report(peer, body).wait()
-
-    def apply_staged(self, body, req):
-        """Make a committed restore's staged rows live (idempotent)."""
-        rid = body["restore_id"]
-        done = self.applied.get(rid)
-        if done is not None:
-            return done
-        with self.lock:
-            staged = self.staging.pop(rid, None)
-        if staged is None:
-            # Neither staged nor applied here: this unit restarted after staging.
-            log.error("restore %s: unit %d has no staged rows to apply", rid, self.unit_id)
-            return {"rows": 0, "lost": True}
-        rows, gens = self.rows, self.gens
-        added = 0
-        skipped = []
-        # A restored row's fields share one buffer: that row's own record, nothing more.
-        for dest, (gen, values) in staged.items():
-            held = gens.get(dest)
-            old = rows.get(dest)
-            if held is not None and held > gen:
-                # The restore's index holds a newer key now. The controller never lets that
-                # happen (a partition with an open restore refuses clears and new keys, and
-                # the restore's new indexes are reserved), so this is a bug: never write it.
-                skipped.append(dest)
-                continue
-            added += _row_nbytes(values)
-            if held != gen or old is None:
-                if old:
-                    added -= _row_nbytes(old)
-                rows[dest] = values
-                gens[dest] = gen
-            else:
-                row = dict(old)
-                for f in values:
-                    if f in old:
-                        added -= value_nbytes(old[f])
-                row.update(values)
-                rows[dest] = row
-        self.bytes_held += added
-        if skipped:
-            log.error("restore %s: unit %d did not apply %d rows: their indexes hold newer "
-                      "keys (%s)", rid, self.unit_id, len(skipped), skipped[:10])
-        if self.write_watch:
-            self._note_writes(staged)
-        result = {"rows": len(staged)}
-        self.applied.record(rid, len(staged))
-        faults.hit("unit.apply.after_apply")
-        log.info("restore %s: unit %d applied %d rows", rid, self.unit_id, len(staged))
-        return result
-
-    def drop_staged(self, body, req):
-        rid = body["restore_id"]
-        with self.lock:
-            self.dropped.add(rid)
-            staged = self.staging.pop(rid, None)
-        log.info("restore %s: unit %d dropped %s staged rows", rid, self.unit_id,
-                 0 if staged is None else len(staged))
-        return {"dropped": 0 if staged is None else len(staged)}
-
     def stats(self, body, req):
         """GET_STATS (alias STATS): rows/bytes held (running totals), staged restores, ops."""
         m = self.metrics
         return {"role": "unit", "unit_id": self.unit_id, "pid": os.getpid(), "node": node_name(),
                 "uptime": time.time() - self.started, "address": self.address,
                 "rows": len(self.rows), "bytes": self.bytes_held,
-                "staged_restores": list(self.staging), "open_dumps": list(self.dump_jobs),
+                "staged_restores": self.restore.staged_ids(), "open_dumps": list(self.dump_jobs),
                 "metrics_enabled": m.enabled,
                 "reply_files": self.reply_files.files,
                 "result_copies": self.reply_files.copies,
