@@ -276,7 +276,7 @@ def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | Non
                     _rmtree(old)
                     fsync_dir(dump.parent)
                 journal.set_phase(aid, st.CLEANED)
-                act("cleaned", f"attempt {aid}: found published; removed {old.name}")
+                act(st.CLEANED, f"attempt {aid}: found published; removed {old.name}")
                 continue
             direction = _settle(dump, staging, phase)
             if direction == "forward":
@@ -285,7 +285,7 @@ def recover_publications(dump_dir: str | os.PathLike, journal: DumpJournal | Non
                 act("rolled-forward", f"attempt {aid}: found {phase}; new dump published")
             else:
                 journal.set_phase(aid, st.ROLLED_BACK, f"recovered from phase {phase}")
-                act("rolled-back", f"attempt {aid}: found {phase}; staging removed, "
+                act(st.ROLLED_BACK, f"attempt {aid}: found {phase}; staging removed, "
                                    f"{'old dump kept' if dump.exists() else 'no dump'}")
         return actions
     finally:

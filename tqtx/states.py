@@ -4,6 +4,11 @@
 * :data:`UNIT` -- one unit's claim on a restore (``restore_units.state``).
 * :data:`DUMP_RESTORE` -- a restore reading a dump, in the dump journal (``restores.state``).
 * :data:`PUBLICATION` -- one attempt at publishing a dump (``publications.phase``).
+* :data:`ROLL_FORWARD` -- one unit of a committing restore, while the controller rolls it
+  forward (in memory: the journal's claim is ``staged`` until it is ``applied``).
+* :data:`CHECKPOINT_LOAD` -- a ``load_checkpoint`` (the controller's ``checkpoint_load``
+  marker in its journal is the decision).
+* :data:`DUMP_JOB` -- one unit's shard of a dump (in the unit's memory).
 
 The strings are what the journals store and what goes on the wire; they never change.
 :func:`check` is the one place a move is judged legal. :func:`restore_decision` is the one
@@ -25,12 +30,14 @@ CANCELLED = "cancelled"
 FAILED = "failed"           # also a unit state and a publication phase
 READING = "reading"         # dump journal: a restore is reading the dump
 
-# unit claims
+# unit claims (and the actions of RESTORE_UNIT: a unit claims, reports staged or failed)
+CLAIM = "claim"
 PENDING = "pending"
 CLAIMED = "claimed"
 STAGED = "staged"
 APPLIED = "applied"
 DROPPED = "dropped"
+RESTORE_UNIT_ACTIONS = (CLAIM, STAGED, FAILED)
 
 # publication phases
 STAGING = "staging"
@@ -40,6 +47,22 @@ OLD_MOVED = "old-moved"
 PUBLISHED = "published"
 CLEANED = "cleaned"
 ROLLED_BACK = "rolled-back"
+
+# roll-forward of one unit of a committing restore (and APPLIED, FAILED above)
+APPLYING = "applying"         # APPLY_STAGED to send
+REDOING = "redoing"           # the unit lost its staged rows: REDO_RESTORE from the dump
+REDO_FAILED = "redo_failed"   # the dump cannot provide them (also a pending reason)
+UNREACHABLE = "unreachable"   # the unit does not answer (or is not registered): later
+
+# checkpoint load
+DECIDED = "decided"           # metadata journaled with the load's marker: units switching
+SWITCHED = "switched"         # every unit switched; the marker is gone
+
+# a unit's dump shard
+SNAPSHOTTED = "snapshotted"   # rows held by reference; the writer waits for its target
+WRITING = "writing"
+CANCELLING = "cancelling"
+DONE = "done"
 
 
 class IllegalTransition(ValueError):
@@ -129,6 +152,37 @@ PUBLICATION = Machine(
     },
 )
 
+ROLL_FORWARD = Machine(
+    "roll-forward",
+    states=(APPLYING, REDOING, APPLIED, REDO_FAILED, UNREACHABLE),
+    final=(APPLIED, REDO_FAILED, UNREACHABLE),
+    moves={
+        APPLYING: frozenset({APPLIED, REDOING, UNREACHABLE}),
+        REDOING: frozenset({APPLYING, REDO_FAILED, UNREACHABLE}),
+    },
+)
+
+CHECKPOINT_LOAD = Machine(
+    "checkpoint load",
+    states=(STAGING, DECIDED, SWITCHED, DROPPED),
+    final=(SWITCHED, DROPPED),
+    moves={
+        STAGING: frozenset({DECIDED, DROPPED}),   # every unit staged its file / one failed
+        DECIDED: frozenset({SWITCHED}),            # only forward once decided
+    },
+)
+
+DUMP_JOB = Machine(
+    "dump job",
+    states=(SNAPSHOTTED, WRITING, CANCELLING, DONE, FAILED, CANCELLED),
+    final=(DONE, FAILED, CANCELLED),
+    moves={
+        SNAPSHOTTED: frozenset({WRITING, CANCELLED, FAILED}),
+        WRITING: frozenset({DONE, FAILED, CANCELLING}),
+        CANCELLING: frozenset({CANCELLED, FAILED, DONE}),
+    },
+)
+
 RESTORE_STATES, RESTORE_FINAL = RESTORE.states, RESTORE.final
 UNIT_STATES, UNIT_FINAL = UNIT.states, UNIT.final
 DUMP_RESTORE_STATES, DUMP_RESTORE_FINAL = DUMP_RESTORE.states, DUMP_RESTORE.final
@@ -141,9 +195,15 @@ COMMIT = "commit"   # every unit staged its rows
 WAIT = "wait"       # a unit is still loading: the restore stays pending until it reports
 ABORT = "abort"     # some unit failed, was dropped or never claimed
 
-# RestorePendingError.reason for a restore that is neither decided nor ended
-UNIT_RUNNING = "unit_running"
-IN_PROGRESS = "in_progress"
+# RestorePendingError.reason: why an operation is refused while a restore is unresolved
+UNIT_RUNNING = "unit_running"        # a unit holds its claim: it is still loading
+IN_PROGRESS = "in_progress"          # neither decided nor ended
+APPLY_PENDING = "apply_pending"      # commit decided, some unit has not applied yet
+UNKNOWN_RESTORE = "unknown_restore"  # a dump journal names a restore no controller knows
+OTHER_CONTROLLER = "other_controller"  # ... one another, live, controller runs
+LOST_REPLY = "lost_reply"            # FINISH_RESTORE's reply never came: see the journal
+PENDING_REASONS = (UNIT_RUNNING, IN_PROGRESS, APPLY_PENDING, REDO_FAILED, UNKNOWN_RESTORE,
+                   OTHER_CONTROLLER, LOST_REPLY)
 
 
 def restore_decision(unit_states: Iterable[str]) -> str:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from itertools import repeat
 
 from .. import faults
+from .. import states as st
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, \
     SchemaConflictError
 from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange
@@ -300,6 +301,8 @@ class KVRequests:
         change = self.meta.plan_replace(snap, gen_base)
         if load_id:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
+        if load_id:
+            st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
         self._journal_meta("checkpoint_replace", change)
         self.meta.replace(snap, gen_base)
         self.replace_epoch += 1
@@ -327,6 +330,8 @@ class KVRequests:
         self._checkpoint_switched()
 
     def _checkpoint_switched(self) -> None:
+        st.check(st.CHECKPOINT_LOAD, st.DECIDED, st.SWITCHED,
+                 subject=f"checkpoint load {self.checkpoint_load[0]}")
         self._journal_meta("checkpoint_replace", MetaChange(
             markers={CHECKPOINT_LOAD: None, CHECKPOINT_GEN_BASE: None}))
         self.checkpoint_load = None

@@ -35,13 +35,12 @@ from ..wire.rpc import new_id
 
 log = logging.getLogger("tqtx.controller")
 
-RESTORE_UNIT_ACTIONS = {"claim", "staged", "failed"}
 
 
 def restore_unit_label(body) -> str:
     """Metrics label of a RESTORE_UNIT request: one per action."""
     action = body.get("action") if isinstance(body, dict) else None
-    return f"RESTORE_UNIT:{action if action in RESTORE_UNIT_ACTIONS else 'other'}"
+    return f"RESTORE_UNIT:{action if action in st.RESTORE_UNIT_ACTIONS else 'other'}"
 
 
 class RestorePlan:
@@ -58,7 +57,7 @@ class RestorePlan:
         self.new_indexes = new_indexes
         self.dump_id = dump_id
         self.apply_rids: dict[int, str] = {}
-        self.redo: set[int] = set()             # units to roll forward from the dump
+        self.roll: dict[int, str] = {}          # unit -> its st.ROLL_FORWARD state, last time
         self.redo_failed: dict[int, str] = {}   # unit -> why the dump could not provide
         self.last_error: dict[int, BaseException] = {}
         self._packed: bytes | None = None
@@ -111,8 +110,8 @@ class RestoreProtocol:
         rec = self.journal.get_restore(plan.restore_id) or {}
         units = {u["unit_id"]: u["state"] for u in rec.get("units", [])}
         reason = st.pending_reason(units.values())
-        if str(rec.get("reason") or "").startswith("redo_failed"):
-            reason = "redo_failed"
+        if str(rec.get("reason") or "").startswith(st.REDO_FAILED):
+            reason = st.REDO_FAILED
         err = RestorePendingError(restore_id=plan.restore_id, dump_dir=plan.dump_dir,
                                   reason=reason, units=units, partition_id=plan.partition_id)
         return RestorePendingError(f"{what} refused: {err.describe()}", restore_id=plan.restore_id,
@@ -190,18 +189,18 @@ class RestoreProtocol:
     def restore_unit(self, body, req):
         """A unit claims permission, reports its rows staged, or reports failure."""
         rid, uid, action = body["restore_id"], int(body["unit_id"]), body["action"]
-        if action in ("claim", "staged"):
+        if action in (st.CLAIM, st.STAGED):
             # One journal transaction: the move itself checks that the restore is active
             # (the restore is read again only to word a refusal).
             try:
-                if action == "claim":
+                if action == st.CLAIM:
                     self.journal.claim_unit(rid, uid)
                 else:
                     self.journal.stage_unit(rid, uid, rows=int(body.get("rows", 0)),
                                             bytes=int(body.get("bytes", 0)))
             except (KeyError, IllegalTransition) as exc:
                 raise self._refusal(rid, uid, action, exc) from None
-            if action == "claim":
+            if action == st.CLAIM:
                 log.info("restore %s: unit %d claimed", rid, uid)
                 faults.hit("controller.restore.after_claim")
             else:
@@ -212,7 +211,7 @@ class RestoreProtocol:
         if rec is None:
             raise RuntimeError(f"restore {rid} is unknown to this controller")
         try:
-            if action == "failed":
+            if action == st.FAILED:
                 if rec["state"] == st.ACTIVE:
                     self.journal.fail_unit(rid, uid, str(body.get("error", ""))[:2000])
                 log.warning("restore %s: unit %d failed: %s", rid, uid, body.get("error"))
@@ -228,7 +227,7 @@ class RestoreProtocol:
         if rec is None:
             return RuntimeError(f"restore {rid} is unknown to this controller")
         if rec["state"] != st.ACTIVE:
-            what = "may not load" if action == "claim" else "must drop its staged rows"
+            what = "may not load" if action == st.CLAIM else "must drop its staged rows"
             return RuntimeError(f"restore {rid} is {rec['state']}; unit {uid} {what}")
         if isinstance(exc, KeyError):
             return KeyError(exc.args[0] if exc.args else f"restore {rid}: no claim for unit {uid}")
@@ -251,7 +250,7 @@ class RestoreProtocol:
             try:
                 return self._outcome(self._commit(plan))
             except RestorePendingError as exc:
-                if not (body.get("cancel") and exc.reason == "redo_failed"):
+                if not (body.get("cancel") and exc.reason == st.REDO_FAILED):
                     raise
                 self._give_up(plan)
             return self._outcome(self.journal.get_restore(rid))
@@ -301,7 +300,7 @@ class RestoreProtocol:
         todo = self._apply_everywhere(plan, rec)
         if plan.redo_failed:
             why = "; ".join(f"unit {u}: {w}" for u, w in sorted(plan.redo_failed.items()))
-            reason = f"redo_failed: {plan.dump_dir}: {why}"
+            reason = f"{st.REDO_FAILED}: {plan.dump_dir}: {why}"
             rec = self.journal.note_reason(rid, reason[:2000])
             units = {u["unit_id"]: u["state"] for u in rec["units"]}
             log.error("restore %s: commit decided but cannot be rolled forward: %s", rid, reason)
@@ -311,7 +310,7 @@ class RestoreProtocol:
                 f"({reason}). No key of this restore is visible. Put the dump back in place "
                 f"and run tqtx.recover_data_load({plan.dump_dir!r}) to roll it forward, or "
                 f"tqtx.recover_data_load({plan.dump_dir!r}, cancel=True) to end it as failed.",
-                restore_id=rid, dump_dir=plan.dump_dir, reason="redo_failed", units=units,
+                restore_id=rid, dump_dir=plan.dump_dir, reason=st.REDO_FAILED, units=units,
                 partition_id=plan.partition_id)
         if todo:
             rec = self.journal.get_restore(rid)
@@ -324,7 +323,7 @@ class RestoreProtocol:
                 f"restore {rid}: the commit is decided but unit(s) {todo} have not applied "
                 f"their staged rows yet ({detail}); the restore stays unresolved and "
                 f"tqtx.recover_data_load({plan.dump_dir!r}) rolls it forward",
-                restore_id=rid, dump_dir=plan.dump_dir, reason="apply_pending", units=units,
+                restore_id=rid, dump_dir=plan.dump_dir, reason=st.APPLY_PENDING, units=units,
                 partition_id=plan.partition_id)
         change, schema = self.meta.plan_publish(plan.partition_id, plan.rows, plan.field_schema)
         # The published metadata and the end of the restore are one journal transaction.
@@ -373,36 +372,44 @@ class RestoreProtocol:
     # dump, then APPLY_STAGED again. See docs/data_dump.md, "Roll-forward from the dump".
 
     def _apply_everywhere(self, plan, rec: dict | None = None) -> list[int]:
-        """APPLY_STAGED on every unit of a committing restore, rolling forward from the dump
-        (REDO_RESTORE, then APPLY_STAGED) each unit that answers ``lost``. Returns the units
-        that have not applied (not registered or not answering); ``plan.redo_failed`` names
-        those the dump could not serve. ``rec``: the restore's journal record, if at hand."""
+        """Roll every unit of a committing restore forward (:data:`tqtx.states.ROLL_FORWARD`):
+        APPLY_STAGED; a unit that answers ``lost`` gets REDO_RESTORE, then APPLY_STAGED
+        again. Returns the units that have not applied (unreachable or not registered);
+        ``plan.redo_failed`` names those the dump could not serve. ``rec``: the restore's
+        journal record, if at hand."""
         rid = plan.restore_id
         if rec is None:
             rec = self.journal.get_restore(rid)
         # Units journaled applied are asked again: one that restarted since answers lost.
-        todo = [u["unit_id"] for u in rec["units"] if u["state"] in (st.STAGED, st.APPLIED)]
+        # A unit found lost by an earlier roll-forward starts at its redo.
+        roll = {u["unit_id"]: st.REDOING if plan.roll.get(u["unit_id"]) == st.REDOING
+                else st.APPLYING for u in rec["units"] if u["state"] in (st.STAGED, st.APPLIED)}
         redo_rid = new_id()  # fresh per roll-forward, so a repaired dump is read again
         plan.redo_failed.clear()
         plan.last_error = {}
         failures: dict[int, int] = {}
+
+        def move(uid: int, to: str) -> None:
+            st.check(st.ROLL_FORWARD, roll[uid], to, subject=f"restore {rid}: unit {uid}")
+            roll[uid] = to
+
+        for u in roll:
+            if u not in self.unit_peers:
+                move(u, st.UNREACHABLE)
         for _round in range(12):  # bounded: each unit needs at most apply, redo, apply + retries
-            live = [u for u in todo if u in self.unit_peers and failures.get(u, 0) < 3
-                    and u not in plan.redo_failed]
-            if not live:
-                break
-            calls, done = [], set()
-            for u in live:
-                if u in plan.redo:
+            calls = []
+            for u, state in roll.items():
+                if state == st.REDOING:
                     items = plan.redo_items(u, self.num_units)
                     if items is None:
                         plan.redo_failed[u] = ("the client that began this restore did not "
                                                "send the rows' source indexes")
+                        move(u, st.REDO_FAILED)
                         continue
                     calls.append((u, "REDO_RESTORE", {
                         "restore_id": rid, "dump_dir": plan.dump_dir, "dump_id": plan.dump_id,
                         "items": items, "field_schema": plan.field_schema}, redo_rid))
-                else:
+                elif state == st.APPLYING:
                     calls.append((u, "APPLY_STAGED", {"restore_id": rid},
                                   plan.apply_rids.setdefault(u, new_id())))
             if not calls:
@@ -416,13 +423,16 @@ class RestoreProtocol:
                     # a unit that does not even answer PING is down: leave it pending (the
                     # next FINISH_RESTORE, after it re-registers, rolls it forward)
                     failures[uid] = failures.get(uid, 0) + 1 if self._unit_answers(uid) else 3
+                    if failures[uid] >= 3:
+                        move(uid, st.UNREACHABLE)
                 elif op == "REDO_RESTORE":
                     if res.get("failed"):
                         plan.redo_failed[uid] = res["failed"]
+                        move(uid, st.REDO_FAILED)
                         self._note_recovery(rid, "unit-redo-failed", f"unit {uid}: "
                                             f"{plan.dump_dir}: {res['failed']}")
                     else:
-                        plan.redo.discard(uid)
+                        move(uid, st.APPLYING)
                         plan.apply_rids[uid] = new_id()  # the old ID's reply was "lost"
                         if res.get("redone"):
                             self._note_recovery(rid, "unit-redone", f"unit {uid}: re-read "
@@ -433,13 +443,14 @@ class RestoreProtocol:
                     # marks it being read): roll this unit forward from it.
                     log.warning("restore %s: unit %d lost its rows (restarted); rolling it "
                                 "forward from %s", rid, uid, plan.dump_dir)
-                    plan.redo.add(uid)
+                    move(uid, st.REDOING)
                 else:
                     self.journal.apply_unit(rid, uid)
                     faults.hit("controller.restore.after_apply")
-                    done.add(uid)
-            todo = [u for u in todo if u not in done]
-        return [u for u in todo if u not in plan.redo_failed]
+                    move(uid, st.APPLIED)
+        plan.roll = roll
+        return [u for u, state in roll.items() if state in (st.APPLYING, st.REDOING,
+                                                             st.UNREACHABLE)]
 
     def _unit_answers(self, uid: int) -> bool:
         try:
@@ -458,7 +469,7 @@ class RestoreProtocol:
         it is published; rows already applied at its new (reserved) indexes are dropped."""
         rid = plan.restore_id
         rec = self.journal.get_restore(rid)
-        reason = f"{rec.get('reason') or 'redo_failed'}; given up (recover_data_load cancel=True)"
+        reason = f"{rec.get('reason') or st.REDO_FAILED}; given up (recover_data_load cancel=True)"
         self.journal.finish_restore(rid, st.FAILED, reason[:2000])
         by_unit: dict[int, dict] = {}
         for r in plan.rows:

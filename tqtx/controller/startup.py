@@ -119,7 +119,7 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
                 act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
         live_units = [u["unit_id"] for u in r["units"] if u["state"] not in st.UNIT_FINAL]
         journal.abort_after_restart(rid)
-        act("restore", rid, "aborted",
+        act("restore", rid, st.ABORTED,
             f"was {r['state']} under incarnation {r['incarnation_id']}; "
             f"dropped units: {','.join(map(str, live_units)) or 'none'}")
     return actions

@@ -63,7 +63,7 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
         rec = client.controller.call("GET_RESTORE", {"restore_id": rid})["restore"]
         if rec is None:
             raise _pending({"restore_id": rid, "dump_dir": dump_dir,
-                            "partition_id": row.get("partition_id")}, "unknown_restore", action)
+                            "partition_id": row.get("partition_id")}, st.UNKNOWN_RESTORE, action)
         if rec["state"] in st.RESTORE_FINAL:
             journal.finish_restore(rid, rec["state"])
             return
@@ -75,7 +75,7 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
         log.warning("restore %s: reading %s, belonged to a controller that is gone; marked "
                     "aborted", rid, dump_dir)
         return
-    reason = "other_controller" if alive else "unknown_restore"
+    reason = st.OTHER_CONTROLLER if alive else st.UNKNOWN_RESTORE
     raise _pending({"restore_id": rid, "dump_dir": dump_dir,
                     "partition_id": row.get("partition_id")}, reason, action)
 
@@ -111,7 +111,7 @@ def _finish(client, rid: str, *, commit: bool, cancel: bool = False, reason: str
         f"restore {rid} of {dump_dir!r}: the controller did not answer FINISH_RESTORE "
         f"({last}); its outcome is in the controller journal. Settle it with "
         f"tqtx.recover_data_load({dump_dir!r}).", restore_id=rid, dump_dir=dump_dir,
-        reason="lost_reply")
+        reason=st.LOST_REPLY)
 
 
 @gc_paused  # per-row lists and dicts, no cycles: a full collection here walked torch's
@@ -323,7 +323,7 @@ def _settle(client, dump_dir: str, rid: str, row: dict | None, cancel: bool) -> 
             log.warning("restore %s: of %s, unknown to the controller; cancelled", rid, dump_dir)
             return False
         raise _pending({"restore_id": rid, "dump_dir": dump_dir,
-                        "partition_id": (row or {}).get("partition_id")}, "unknown_restore")
+                        "partition_id": (row or {}).get("partition_id")}, st.UNKNOWN_RESTORE)
     if rec["state"] == st.COMMITTING:
         # decided: roll forward whatever was asked; cancel only ends as failed a restore
         # the dump can no longer roll forward (reason redo_failed)

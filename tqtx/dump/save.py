@@ -13,6 +13,7 @@ import time
 
 from .. import faults, paths
 from .. import format as fmt
+from .. import states as st
 from ..fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..get_path import read_rows
 from ..errors import StaleRowsError
@@ -74,7 +75,7 @@ class DumpHandle:
         return self._error is not None
 
     def __repr__(self):
-        state = "done" if self.done() else "running"
+        state = st.DONE if self.done() else "running"
         return f"DumpHandle({self.dump_dir!r}, dump_id={self.dump_id}, {state})"
 
 

@@ -176,7 +176,7 @@ class UnitAttach:
             incarnation = (peer.call("PING", timeout=wait) or {}).get("incarnation")
         except Exception as exc:
             # the class only: the message's "is gone" would read as a failed report in the log
-            return "unreachable", f"{where} unreachable ({type(exc).__name__} on PING)"
+            return "ping", f"{where} unreachable ({type(exc).__name__} on PING)"
         if incarnation is None or incarnation == self.incarnation:
             return "", ""
         log.info("unit %d: %s is incarnation %s (registered with %s): registering again",

@@ -7,6 +7,7 @@ import time
 
 from .. import faults
 from .. import format as fmt
+from .. import states as st
 
 log = logging.getLogger("tqtx.unit")
 
@@ -25,10 +26,33 @@ class DumpJob:
         self.field_sets = field_sets
         self._callbacks: list | None = []  # None once finished
         self._lock = threading.Lock()
-        self.started = False
-        self.cancelled = threading.Event()
+        self.state = st.SNAPSHOTTED  # see tqtx.states.DUMP_JOB
+        self.cancelled = threading.Event()  # tells the writer thread to stop
         self.result: dict | None = None
         self.error: BaseException | None = None
+
+    def move(self, to: str) -> None:
+        with self._lock:
+            st.check(st.DUMP_JOB, self.state, to,
+                     subject=f"dump {self.dump_id}: unit {self.unit_id}'s shard")
+            self.state = to
+
+    @property
+    def started(self) -> bool:
+        return self.state != st.SNAPSHOTTED
+
+    def cancel(self) -> None:
+        """Stop the job: released at once if it has not started writing, else the writer
+        stops at its next batch (the job then ends cancelled)."""
+        with self._lock:
+            state = self.state
+            if state == st.SNAPSHOTTED:
+                self.state = st.CANCELLED
+            elif state == st.WRITING:
+                self.state = st.CANCELLING
+                self.cancelled.set()
+        if state == st.SNAPSHOTTED:
+            self.release()
 
     def target(self, path: str, write_index: bool) -> None:
         """Where the shard goes; ``write_index``: its index too, beside it (the shard must
@@ -80,6 +104,7 @@ class DumpJob:
     def run(self) -> None:
         t0 = time.perf_counter()
         writer = None
+        end = st.DONE
         try:
             faults.hit("unit.dump.before_write")
             writer = fmt.ShardWriter(self.path)
@@ -102,8 +127,10 @@ class DumpJob:
             if writer is not None:
                 writer.abort()
             self.error = exc
+            end = st.CANCELLED if self.cancelled.is_set() else st.FAILED
             log.error("dump %s: unit %d failed: %s", self.dump_id, self.unit_id, exc)
         finally:
             self.release()
+            self.move(end)
             self._finish()
 

@@ -23,6 +23,7 @@ from functools import partial
 
 from .. import faults
 from .. import format as fmt
+from .. import states as st
 from ..errors import DumpFormatError, PeerTimeoutError
 from ..plan import LoadItem, RedoItem
 from ..schema import validate_row
@@ -178,7 +179,7 @@ class RestoreWorker:
             # From here on the controller may have journaled our claim. Reading changes
             # nothing: the claim travels while the first batch is read, and its reply is
             # awaited before anything is staged and before the first read-batch point.
-            claim = Report(peer, {"restore_id": rid, "unit_id": uid, "action": "claim"})
+            claim = Report(peer, {"restore_id": rid, "unit_id": uid, "action": st.CLAIM})
 
             def claimed():
                 nonlocal claim
@@ -206,7 +207,7 @@ class RestoreWorker:
                 self.staging[rid] = staged
             faults.hit("unit.load.after_stage")
             try:
-                Report(peer, {"restore_id": rid, "unit_id": uid, "action": "staged",
+                Report(peer, {"restore_id": rid, "unit_id": uid, "action": st.STAGED,
                               "rows": len(staged), "bytes": nbytes}).wait()
             except BaseException:
                 with self.lock:
@@ -239,7 +240,7 @@ class RestoreWorker:
         except Exception:  # noqa: BLE001 - the failure below is what gets reported
             pass
         try:
-            Report(peer, {"restore_id": rid, "unit_id": uid, "action": "failed",
+            Report(peer, {"restore_id": rid, "unit_id": uid, "action": st.FAILED,
                           "error": str(exc)}).wait()
         except Exception as report_exc:
             log.error("restore %s: unit %d could not report its failure: %s", rid, uid,

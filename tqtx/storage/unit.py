@@ -23,6 +23,7 @@ from array import array
 from concurrent.futures import ThreadPoolExecutor
 from itertools import repeat
 
+from .. import states as st
 from ..errors import StaleRowsError
 from ..placement.probe import node_name, unit_probe
 from ..wire import shm
@@ -281,7 +282,7 @@ class StorageUnit(UnitAttach):
         return job
 
     def _write(self, job: DumpJob) -> None:
-        job.started = True
+        job.move(st.WRITING)
         self.pool.submit(job.run)
 
     def _account_dump(self, job: DumpJob) -> None:
@@ -327,13 +328,13 @@ class StorageUnit(UnitAttach):
 
     def dump_cancel(self, body, req):
         job = self.dump_jobs.get(body["dump_id"])
-        if job is not None and not job.started:
-            self.dump_jobs.pop(job.dump_id, None)
-            job.release()
-            log.info("dump %s: unit %d cancelled before writing", job.dump_id, self.unit_id)
-        elif job is not None:
-            job.cancelled.set()
-            log.info("dump %s: unit %d cancelling its shard write", job.dump_id, self.unit_id)
+        if job is not None:
+            started = job.started
+            if not started:
+                self.dump_jobs.pop(job.dump_id, None)
+            job.cancel()
+            log.info("dump %s: unit %d %s", job.dump_id, self.unit_id,
+                     "cancelling its shard write" if started else "cancelled before writing")
         return {"cancelled": job is not None}
 
     def stats(self, body, req):
