@@ -180,6 +180,7 @@ def test_fuzz_damaged_dump_is_refused_or_loads_correctly(base_dump, data):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 1,500 examples of a restore each: minutes on a busy machine
 @settings(max_examples=1500, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
