@@ -28,8 +28,9 @@ from .wire.rpc import new_id
 # controller.msgpack rows carry the generation; version 1 checkpoints are still loaded.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-MANIFEST = "checkpoint_info.json"
-METADATA = "metadata.json"  # TransferQueue's layout: {"storage_saved", "user_metadata"}
+MANIFEST = paths.CHECKPOINT_MANIFEST
+METADATA = paths.CHECKPOINT_USER_METADATA  # TransferQueue's: {"storage_saved", "user_metadata"}
+CONTROLLER = paths.CHECKPOINT_METADATA
 
 log = logging.getLogger("tqtx.checkpoint")
 
@@ -63,20 +64,21 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
         with DumpJournal(ckpt_dir) as journal:
             pub = Publication(ckpt_dir, kind="checkpoint", dump_id=None, journal=journal)
             try:
-                units_dir = pub.staging_dir / "units"
+                units_dir = pub.staging_dir / paths.CHECKPOINT_UNITS_DIR
                 snap, replies = _save_units(client, units_dir)
                 units = []
                 for u, r in sorted(replies.items()):
-                    idx = _write(units_dir / f"unit-{u}.index", packb(r["entries"]))
-                    units.append({"unit": u, "file": f"units/unit-{u}.bin", "size": r["bytes"],
-                                  "rows": r["rows"], "index": {"file": f"units/unit-{u}.index",
-                                                               **idx}})
-                ctl = _write(pub.staging_dir / "controller.msgpack", packb(snap["metadata"]))
+                    index = paths.checkpoint_unit_index(u)
+                    idx = _write(pub.staging_dir / index, packb(r["entries"]))
+                    units.append({"unit": u, "file": paths.checkpoint_unit_file(u),
+                                  "size": r["bytes"], "rows": r["rows"],
+                                  "index": {"file": index, **idx}})
+                ctl = _write(pub.staging_dir / CONTROLLER, packb(snap["metadata"]))
                 _write(pub.staging_dir / METADATA, user_meta.encode())
                 manifest = {"format_version": FORMAT_VERSION, "kind": "tqtx-checkpoint",
                             "num_units": client.num_units, "tqtx_version": __version__,
                             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "controller": {"file": "controller.msgpack", **ctl}, "units": units}
+                            "controller": {"file": CONTROLLER, **ctl}, "units": units}
                 _write(pub.staging_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
                 pub.mark_written()
                 total = pub.commit()
@@ -104,7 +106,7 @@ def _save_units(client, units_dir) -> tuple[dict, dict]:
         per_unit = _unit_requests(snap["metadata"], client.num_units)
         units_dir.mkdir()
         for u, body in per_unit.items():
-            body["path"] = str(units_dir / f"unit-{u}.bin")
+            body["path"] = str(units_dir.parent / paths.checkpoint_unit_file(u))
         replies = client.fan_out("SAVE_CHECKPOINT", per_unit)
         if _settle_missing(client, snap, replies):
             return snap, replies
@@ -226,7 +228,7 @@ def load(client, ckpt_dir: str) -> dict:
             raise ValueError(f"unit count mismatch: checkpoint {ckpt_dir} was saved with "
                              f"{manifest['num_units']} units, this deployment has "
                              f"{client.num_units}")
-        meta = unpackb(_read_checked(os.path.join(ckpt_dir, "controller.msgpack"),
+        meta = unpackb(_read_checked(os.path.join(ckpt_dir, CONTROLLER),
                                      manifest["controller"]))
         idents = None
         if version >= 2:

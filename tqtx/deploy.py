@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from . import paths
 from .errors import StateDirInUseError, TqtxError
 
 log = logging.getLogger("tqtx.deploy")
@@ -69,7 +70,7 @@ class LocalDeployment:
         self.unit_env = {int(k): v for k, v in (unit_env or {}).items()}
         self.stopped = False
         self.record: dict | None = None  # the owner record this process wrote (tqtx.owner)
-        log_dir = os.path.join(self.state_dir, "logs")
+        log_dir = paths.log_dir(self.state_dir)
         os.makedirs(log_dir, exist_ok=True)
         try:
             self._start_controller(port, start_timeout)
@@ -78,7 +79,7 @@ class LocalDeployment:
                 procs.append((f"unit {uid}", self._start(f"unit {uid}", [
                     "-m", "tqtx.storage", "--controller", self.address, "--unit-id", str(uid),
                     "--host", host, "--state-dir", self.state_dir,
-                    "--log-file", os.path.join(log_dir, f"unit-{uid}.log")],
+                    "--log-file", paths.process_log(self.state_dir, f"unit-{uid}")],
                     {**self.env, **self.unit_env.get(uid, {})})))
             for name, proc in procs:
                 self._ready(name, proc, start_timeout)
@@ -112,7 +113,7 @@ class LocalDeployment:
         proc = self._start("controller", [
             "-m", "tqtx.controller", "--units", str(self.num_units), "--state-dir",
             self.state_dir, "--host", self.host, "--port", str(port),
-            "--log-file", os.path.join(self.state_dir, "logs", "controller.log")],
+            "--log-file", paths.process_log(self.state_dir, "controller")],
             {**self.env, **(env or {})})
         ctl = self._ready("controller", proc, timeout)
         self.address = ctl["ready"]  # with port 0, the one it bound: a restart reuses it
@@ -169,7 +170,7 @@ class LocalDeployment:
         proc = self._start(name, ["-m", "tqtx.storage", "--controller", self.address,
                                   "--unit-id", str(uid), "--host", self.host, "--state-dir",
                                   self.state_dir, "--log-file",
-                                  os.path.join(self.state_dir, "logs", f"unit-{uid}.log")],
+                                  paths.process_log(self.state_dir, f"unit-{uid}")],
                            {**self.env, **(env or {})})
         self._ready(name, proc, timeout)
         if self.record is not None:  # attached processes check the recorded pids

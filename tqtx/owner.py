@@ -18,13 +18,14 @@ import socket
 import threading
 import time
 
+from . import paths
 from .errors import TqtxError
 from .pids import process_alive, process_started  # noqa: F401  (owner.process_started)
 
 log = logging.getLogger("tqtx.owner")
 
-RECORD_NAME = "deployment.json"
-LOCK_NAME = "init.lock"
+RECORD_NAME = paths.DEPLOYMENT_RECORD
+LOCK_NAME = paths.INIT_LOCK
 RECORD_VERSION = 1
 LOCK_TIMEOUT = 180.0   # a creator holds the lock while its processes start (<= 60 s each)
 PROBE_TIMEOUT = 3.0    # how long a recorded controller may take to answer TOPOLOGY

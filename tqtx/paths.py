@@ -4,9 +4,13 @@ Beside a dump ``<dump>`` (siblings, never inside it): ``<dump>.lock`` (the dump 
 ``<dump>.journal.sqlite`` (with SQLite's ``-journal`` file and, once it was upgraded from
 an older schema, ``.migrate.lock``) and, only
 while a publication runs or after it crashed, ``<dump>.tmp-<attempt>`` (staging) and
-``<dump>.old`` (the previous dump during the swap). In a state dir: ``journal.sqlite``,
-``controller.lock`` and, for dumps on read-only storage, ``dumps/<sha256>.lock`` and
-``dumps/<sha256>.journal.sqlite`` (see :func:`records_location`).
+``<dump>.old`` (the previous dump during the swap). Inside a dump: ``dump_info.json``,
+``rows.msgpack``, ``shards/unit-<k>.bin`` and ``.index``; inside a checkpoint:
+``checkpoint_info.json``, ``controller.msgpack``, ``metadata.json``, ``units/unit-<k>.bin``
+and ``.index``. In a state dir: ``journal.sqlite``, ``controller.lock``,
+``controller.owner``, ``deployment.json`` and ``init.lock`` (create-or-attach),
+``logs/controller.log`` and ``logs/unit-<k>.log``, and, for dumps on read-only storage,
+``dumps/<sha256>.lock`` and ``dumps/<sha256>.journal.sqlite`` (see :func:`records_location`).
 
 What tqtx may replace (:func:`check_publish_target`): nothing, an empty directory, or a
 complete tqtx dump (checkpoint) of the same kind; ``<dump>.old`` / ``<dump>.tmp-*`` only
@@ -31,8 +35,17 @@ from .states import OLD_MOVED, PUBLISHED, SYNCED
 log = logging.getLogger("tqtx.paths")
 
 DUMP_MANIFEST = "dump_info.json"
+ROW_INDEX = "rows.msgpack"
+SHARDS_DIR = "shards"
 CHECKPOINT_MANIFEST = "checkpoint_info.json"
 CHECKPOINT_KIND = "tqtx-checkpoint"
+CHECKPOINT_METADATA = "controller.msgpack"
+CHECKPOINT_USER_METADATA = "metadata.json"  # TransferQueue's name and layout
+CHECKPOINT_UNITS_DIR = "units"
+DEPLOYMENT_RECORD = "deployment.json"
+INIT_LOCK = "init.lock"
+CONTROLLER_OWNER = "controller.owner"
+LOGS_DIR = "logs"
 LOCK_SUFFIX = ".lock"
 OLD_SUFFIX = ".old"
 STAGING_INFIX = ".tmp-"
@@ -108,6 +121,41 @@ def default_state_dir() -> Path:
 def controller_journal_path(state_dir: str | os.PathLike) -> Path:
     """Path of the controller journal inside ``state_dir``."""
     return Path(state_dir) / "journal.sqlite"
+
+
+def shard_file_name(unit) -> str:
+    """Relative path of the shard holding unit ``unit``'s records, inside a dump."""
+    return f"{SHARDS_DIR}/unit-{unit}.bin"
+
+
+def shard_index_name(unit) -> str:
+    """Relative path of the index of unit ``unit``'s shard, inside a dump."""
+    return f"{SHARDS_DIR}/unit-{unit}.index"
+
+
+def checkpoint_unit_file(unit) -> str:
+    """Relative path of unit ``unit``'s rows inside a checkpoint."""
+    return f"{CHECKPOINT_UNITS_DIR}/unit-{unit}.bin"
+
+
+def checkpoint_unit_index(unit) -> str:
+    """Relative path of the index of unit ``unit``'s rows inside a checkpoint."""
+    return f"{CHECKPOINT_UNITS_DIR}/unit-{unit}.index"
+
+
+def log_dir(state_dir: str | os.PathLike) -> str:
+    """``<state_dir>/logs``: the logs of the deployment's processes."""
+    return os.path.join(os.fspath(state_dir), LOGS_DIR)
+
+
+def process_log(state_dir: str | os.PathLike, name: str) -> str:
+    """``<state_dir>/logs/<name>.log`` (``controller``, ``unit-<k>``)."""
+    return os.path.join(log_dir(state_dir), f"{name}.log")
+
+
+def controller_owner_path(state_dir: str | os.PathLike) -> Path:
+    """``<state_dir>/controller.owner``: who holds the controller lock (pid, host, address)."""
+    return abs_path(state_dir) / CONTROLLER_OWNER
 
 
 def controller_lock_path(state_dir: str | os.PathLike) -> Path:

@@ -13,7 +13,7 @@ from .. import faults
 from ..errors import ControllerRecoveringError, StateDirInUseError
 from ..journal.meta import MetaChange, MetaJournal, check_durability
 from ..journal.store import ControllerJournal
-from ..paths import controller_lock_path
+from ..paths import controller_lock_path, controller_owner_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server
@@ -39,7 +39,7 @@ def acquire_state_dir(state_dir: str):
     except filelock.Timeout:
         owner = ""
         try:
-            with open(os.path.join(state_dir, "controller.owner")) as f:
+            with open(controller_owner_path(state_dir)) as f:
                 owner = f.read().strip()
         except OSError:
             pass
@@ -67,7 +67,7 @@ class Controller(KVRequests, RestoreProtocol):
         self.server = Server("controller", host, port, curve=curve)
         self.address = self.server.address
         self.client_curve = client_curve
-        with open(os.path.join(self.state_dir, "controller.owner"), "w") as f:
+        with open(controller_owner_path(self.state_dir), "w") as f:
             f.write(f"pid {os.getpid()} on {socket.gethostname()} at {self.address}")
         self.journal = ControllerJournal(self.state_dir)
         self.incarnation = self.journal.start_incarnation(

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tqtx import fsutil
+from tqtx.paths import DUMP_MANIFEST, ROW_INDEX
 from tqtx.schema import field_schema_problem
 from tqtx.wire import codec
 
@@ -20,8 +21,7 @@ from .shard import SHARDS_DIR, by_offset, shard_file_name, shard_index_name
 # Version 2: records and row index rows name their key's generation (records also their
 # partition and key: the row fence). Version 1 dumps are still read.
 FORMAT_VERSION = 2
-MANIFEST = "dump_info.json"
-ROW_INDEX = "rows.msgpack"
+MANIFEST = DUMP_MANIFEST
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "ROW_INDEX", "SHARDS_DIR", "DumpIndex",
            "read_dump_index", "read_row_index", "write_manifest", "write_row_index",

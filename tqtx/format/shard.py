@@ -8,27 +8,17 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from tqtx import faults, fsutil
+from tqtx.paths import SHARDS_DIR, shard_file_name, shard_index_name  # noqa: F401 (re-exported)
 from tqtx.errors import DumpFormatError
 
 from .records import RecordEncoder, checksum, decode_record, encode_record_parts, file_error
 
-SHARDS_DIR = "shards"
 
 # Records are handed to writev in batches of about this many bytes (so a long stream of
 # rows does not keep every source buffer alive); batches of at least _ASYNC_MIN_BYTES are
 # written by a helper thread while the next one is checksummed.
 _BATCH_BYTES = 8 << 20
 _ASYNC_MIN_BYTES = 4 << 20
-
-
-def shard_file_name(unit) -> str:
-    """Relative path of the shard holding unit ``unit``'s records."""
-    return f"{SHARDS_DIR}/unit-{unit}.bin"
-
-
-def shard_index_name(unit) -> str:
-    """Relative path of the index of unit ``unit``'s shard."""
-    return f"{SHARDS_DIR}/unit-{unit}.index"
 
 
 def shard_dump_dir(path, unit) -> Path:

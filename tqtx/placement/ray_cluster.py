@@ -30,6 +30,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .. import paths
 from ..errors import StateDirInUseError, TqtxError
 from .plan import RayPlacementError, node_label, plan_units
 from .ray_host import ServerHost, read_key_files
@@ -191,12 +192,13 @@ class RayDeployment(_RayTopology):
                                ).remote("controller")
             self.actors["controller"] = ctl
             self._scheduled({"controller": ctl}, {"controller": here}, deadline)
-            log_dir = os.path.join(self.state_dir, "logs")
+            log_dir = paths.log_dir(self.state_dir)
             os.makedirs(log_dir, exist_ok=True)
             info = self._start({"controller": ctl.start.remote(
                 ["-m", "tqtx.controller", "--units", str(num_units), "--state-dir",
                  self.state_dir, "--host", "{host}", "--port", "0"], env, key_files,
-                os.path.join(log_dir, "controller.log"), self._process_timeout(deadline))}, deadline)
+                paths.process_log(self.state_dir, "controller"),
+                self._process_timeout(deadline))}, deadline)
             self.address = info["controller"]["ready"]
             self.incarnation = info["controller"].get("incarnation")
             units, wanted = {}, {}
@@ -217,7 +219,7 @@ class RayDeployment(_RayTopology):
                                                          if same else [])
                 refs[name] = units[name].start.remote(
                     args, {**env, **{k: str(v) for k, v in unit_env.get(uid, {}).items()}},
-                    key_files, os.path.join(log_dir, f"unit-{uid}.log") if same else None,
+                    key_files, paths.process_log(self.state_dir, f"unit-{uid}") if same else None,
                     self._process_timeout(deadline))
             self._start(refs, deadline)
             self.record = self._make_record(key_files)
