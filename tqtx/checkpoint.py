@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 
-from . import faults, paths
+from . import faults, paths, routing
 from . import format as fmt
 from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError, TqtxError
@@ -139,7 +139,7 @@ def _settle_missing(client, snap: dict, replies: dict) -> bool:
             if r[1] not in missing:
                 kept.append(r)
             elif (pid, r[0]) in lost:
-                kept.append([*r[:4], r[1] % client.num_units, r[5]])
+                kept.append([*r[:4], routing.owner(r[1], client.num_units), r[5]])
             else:
                 cleared += 1
         data["rows"] = kept
@@ -159,7 +159,7 @@ def _unit_requests(meta: dict, num_units: int) -> dict[int, dict]:
     for p, pid in enumerate(partitions):
         for key, idx, fields, _tag, lost, gen in meta["partitions"][pid]["rows"]:
             if fields and lost is None:
-                c = cols[idx % num_units]
+                c = cols[routing.owner(idx, num_units)]
                 c[0].append(idx)
                 c[1].append(gen)
                 c[2].append(key)

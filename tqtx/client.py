@@ -5,7 +5,7 @@ import os
 import threading
 import time
 
-from . import faults, get_path, put_path
+from . import faults, get_path, put_path, routing
 from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, \
     StaleRowsError, TqtxError
 from .wire import shm
@@ -251,7 +251,7 @@ class Client:
     # ---------------------------------------------------------------- routing
     def owner(self, index: int) -> int:
         """Routing: a pure function of the global index and the ordered unit list."""
-        return index % self.num_units
+        return routing.owner(index, self.num_units)
 
     def fan_out(self, op: str, per_unit: dict[int, dict], timeout: float | None = None, *,
                 after_send=None) -> dict:
@@ -288,11 +288,9 @@ class Client:
     # ---------------------------------------------------------------- kv
     def drop_rows(self, rows) -> None:
         """DROP_ROWS of ``(index, generation)`` pairs on their units."""
-        per_unit: dict[int, dict] = {}
-        for idx, gen in rows:
-            req = per_unit.setdefault(idx % self.num_units, {"indexes": [], "gens": []})
-            req["indexes"].append(idx)
-            req["gens"].append(gen)
+        rows = list(rows)
+        per_unit = {u: {"indexes": [rows[p][0] for p in pos], "gens": [rows[p][1] for p in pos]}
+                    for u, pos in routing.by_owner([i for i, _ in rows], self.num_units).items()}
         if per_unit:
             self.fan_out("DROP_ROWS", per_unit)
 

@@ -6,7 +6,7 @@ index refuses, and the get asks the controller again (:mod:`tqtx.fence`).
 """
 from __future__ import annotations
 
-from . import faults, result_layout
+from . import faults, result_layout, routing
 from .errors import StaleRowsError, TqtxError
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from .wire import shm
@@ -68,18 +68,9 @@ def read_rows(client, meta: dict, keys: list[str], direct: bool, alloc):
     columns = {f: Column([None] * len(keys)) for f in fields}
     if not fields:
         return keys, columns, meta["schemas"]
-    per_unit: dict[int, dict] = {}
-    positions: dict[int, list[int]] = {}
-    n = client.num_units
-    for pos, idx in enumerate(indexes):
-        u = idx % n
-        req = per_unit.get(u)
-        if req is None:
-            req = per_unit[u] = {"indexes": [], "gens": [], "fields": fields}
-            positions[u] = []
-        req["indexes"].append(idx)
-        req["gens"].append(gens[pos])
-        positions[u].append(pos)
+    positions = routing.by_owner(indexes, client.num_units)
+    per_unit = {u: {"indexes": [indexes[p] for p in pos], "gens": [gens[p] for p in pos],
+                    "fields": fields} for u, pos in positions.items()}
     inbox = client.reply_inbox() if direct else None
     peers = [client.unit(u) for u in per_unit]
     before = sum(p.bytes_received + p.header_bytes_received for p in peers)

@@ -7,7 +7,7 @@ from ALLOC, as if it had come after the clear (:mod:`tqtx.fence`).
 """
 from __future__ import annotations
 
-from . import faults
+from . import faults, routing
 from .errors import PeerDiedError, PutPartlyAppliedError
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from .wire.rpc import new_id
@@ -119,18 +119,17 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write) -> tuple:
     refused: set = set()
     try:
         if columns:
-            per_unit: dict[int, dict] = {}
             names = list(columns)
             cols = [columns[f] for f in names]
-            n = client.num_units
-            for i, idx in enumerate(indexes):
-                if write is not None and i not in write:
-                    continue
-                req = per_unit.get(idx % n)
-                if req is None:
-                    req = per_unit[idx % n] = {"rows": [], "gens": []}
-                req["rows"].append([idx, {f: c[i] for f, c in zip(names, cols)}])
-                req["gens"].append(gens[i])
+            per_unit: dict[int, dict] = {}
+            for u, pos in routing.by_owner(indexes, client.num_units).items():
+                if write is not None:
+                    pos = [i for i in pos if i in write]
+                    if not pos:
+                        continue
+                per_unit[u] = {"rows": [[indexes[i], {f: c[i] for f, c in zip(names, cols)}]
+                                        for i in pos],
+                               "gens": [gens[i] for i in pos]}
             replies = client.fan_out("PUT_ROWS", per_unit) if per_unit else {}
             nbytes = sum(r.get("bytes", 0) for r in replies.values())
             refused = {i for r in replies.values() for i in r.get("stale", ())}

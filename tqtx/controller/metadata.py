@@ -25,6 +25,7 @@ import heapq
 
 from ..errors import KeysNotFoundError, RowsLostError
 from ..journal.meta import MetaChange
+from ..routing import owner
 from ..schema import check_schema_compatible, merge_schema
 
 EMPTY: frozenset = frozenset()
@@ -315,7 +316,7 @@ class Metadata:
         for part in self.partitions.values():
             fields, lost = part.fields, part.lost
             for key, idx in part.keys.items():
-                if idx % num_units != uid or idx in lost:
+                if owner(idx, num_units) != uid or idx in lost:
                     continue
                 produced = fields.get(idx)
                 if not produced:

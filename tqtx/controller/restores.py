@@ -28,6 +28,7 @@ from .. import faults
 from .. import states as st
 from ..errors import RestorePendingError
 from ..plan import RedoItem, RestoreRow
+from ..routing import owner
 from ..states import IllegalTransition
 from ..wire import codec
 from ..wire.peer import call_many
@@ -86,7 +87,7 @@ class RestorePlan:
         unknown."""
         items = []
         for r in self.rows:
-            if r.fields and r.index % num_units == uid:
+            if r.fields and owner(r.index, num_units) == uid:
                 if r.src is None:
                     return None
                 items.append(RedoItem(r.index, r.gen, r.src).to_wire())
@@ -152,7 +153,7 @@ class RestoreProtocol:
                 plan_row = RestoreRow(key, new[0], fields, tag, True, new[1], src)
             rows.append(plan_row)
             if fields:
-                units.add(plan_row.index % self.num_units)
+                units.add(owner(plan_row.index, self.num_units))
         for idx in new_idx:
             self.meta.reserved[idx] = rid
         plan = RestorePlan(rid, pid, body["dump_dir"], rows, body["field_schema"], sorted(units),
@@ -474,7 +475,8 @@ class RestoreProtocol:
         by_unit: dict[int, dict] = {}
         for r in plan.rows:
             if r.is_new:
-                drop = by_unit.setdefault(r.index % self.num_units, {"indexes": [], "gens": []})
+                drop = by_unit.setdefault(owner(r.index, self.num_units),
+                                          {"indexes": [], "gens": []})
                 drop["indexes"].append(r.index)
                 drop["gens"].append(r.gen)
         calls = [(self.unit_peers[u], "DROP_STAGED", {"restore_id": rid})

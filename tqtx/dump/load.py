@@ -14,7 +14,7 @@ import time
 
 import filelock
 
-from .. import faults, paths
+from .. import faults, paths, routing
 from .. import format as fmt
 from .. import states as st
 from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
@@ -190,7 +190,7 @@ def _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0) -> dict:
         name = names.get(path)
         if name is None:
             name = names[path] = str(path)
-        u = dest % num_units
+        u = routing.owner(dest, num_units)
         items = items_of.get(u)
         if items is None:
             items = items_of[u] = []

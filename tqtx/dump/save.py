@@ -11,7 +11,7 @@ import shutil
 import threading
 import time
 
-from .. import faults, paths
+from .. import faults, paths, routing
 from .. import format as fmt
 from .. import states as st
 from ..fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
@@ -233,7 +233,7 @@ def _per_unit(client, dump_id: str, pid: str, keys: list[str], desc: dict) -> di
     gens = _column(desc["gens"])
     names = np.asarray(keys, dtype=object)
     has_fields = np.asarray([bool(fs) for fs in field_sets])[sid]  # fieldless: row index only
-    owner = idx % client.num_units
+    owner = routing.owner(idx, client.num_units)  # element-wise on the index array
     per_unit = {}
     for u in range(client.num_units):
         sel = has_fields & (owner == u)
