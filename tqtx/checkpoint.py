@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 
-from . import faults, paths, routing
+from . import faults, fsutil, paths, routing
 from . import format as fmt
 from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError, TqtxError
@@ -36,10 +36,8 @@ log = logging.getLogger("tqtx.checkpoint")
 
 
 def _write(path, data: bytes) -> dict:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync one checkpoint file; its manifest entry."""
+    fsutil.write_file_synced(path, data)
     return {"size": len(data), "crc32": fmt.checksum(data)}
 
 

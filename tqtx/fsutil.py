@@ -84,14 +84,15 @@ def fsync_tree(root: Path, *, files: bool = True) -> int:
     return total
 
 
-def write_file_synced(path: Path, data: bytes, *, exclusive: bool = False) -> None:
+def write_file_synced(path: Path, data: bytes, *, exclusive: bool = False,
+                      mode: int = 0o644) -> None:
     """Create or truncate ``path`` (``exclusive``: create only, FileExistsError if it
     exists), write ``data`` and fsync it (not its directory).
 
-    Not atomic by itself: callers that need that write a temp file and rename it.
+    Not atomic by itself: :func:`replace_file_synced` is.
     """
     fd = os.open(path, os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC) | os.O_WRONLY
-                 | O_CLOEXEC, 0o644)
+                 | O_CLOEXEC, mode)
     try:
         with naming(path, "writing file"):
             view = memoryview(data)
@@ -101,6 +102,24 @@ def write_file_synced(path: Path, data: bytes, *, exclusive: bool = False) -> No
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_file_synced(path, data: bytes, *, mode: int = 0o644, tmp=None) -> None:
+    """Replace ``path`` by a file holding ``data``, atomically: ``data`` is written and
+    fsynced to ``tmp`` (default ``<path>.tmp.<pid>``), which is then renamed over ``path``
+    (a crash leaves the old file or the new one, never a mix). The directory entry is not
+    fsynced: callers that need the rename durable fsync the directory."""
+    path = Path(path)
+    tmp = Path(tmp) if tmp is not None else path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    try:
+        write_file_synced(tmp, data, mode=mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _move_all(step, bufs: list, what: str) -> None:

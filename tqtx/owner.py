@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 
-from . import paths
+from . import fsutil, paths
 from .errors import TqtxError
 from .pids import process_alive, process_started  # noqa: F401  (owner.process_started)
 
@@ -83,21 +83,8 @@ def read_record(state_dir: str) -> dict | None:
 
 def write_record(state_dir: str, record: dict) -> None:
     """Write the owner record atomically (tmp + fsync + os.replace), mode 0600."""
-    path = record_path(state_dir)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    fsutil.replace_file_synced(record_path(state_dir),
+                               json.dumps(record, indent=1, sort_keys=True).encode(), mode=0o600)
 
 
 def _deployment_curve(dep) -> tuple[bool, str | None, str | None]:

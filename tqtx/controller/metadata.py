@@ -132,6 +132,31 @@ class Metadata:
             gens.pop(i, None)
             heapq.heappush(self.free, i)
 
+    def reserve(self, restore_id: str, indexes, gens=None) -> None:
+        """Hold ``indexes`` for restore ``restore_id`` until it commits or ends (invisible:
+        no key holds them yet). ``gens``: their generations, for indexes taken anew (a
+        restart rebuilding a committing restore's plan): they leave the free list."""
+        indexes = list(indexes)
+        for idx in indexes:
+            self.reserved[idx] = restore_id
+        if gens is None:
+            return
+        self.gens.update(zip(indexes, gens))
+        taken = set(indexes)
+        if taken:
+            self.next_index = max(self.next_index, max(taken) + 1)
+            self.free = [i for i in self.free if i not in taken]
+            heapq.heapify(self.free)
+
+    def unreserve(self, indexes, *, free: bool) -> None:
+        """End the hold on ``indexes``: published (their keys hold them now) or, with
+        ``free``, released for reuse."""
+        indexes = list(indexes)
+        for idx in indexes:
+            self.reserved.pop(idx, None)
+        if free:
+            self.release(indexes)
+
     def take_gens(self, n: int) -> int:
         """The first of ``n`` new consecutive generations (never given before)."""
         first = self.next_gen

@@ -154,8 +154,7 @@ class RestoreProtocol:
             rows.append(plan_row)
             if fields:
                 units.add(owner(plan_row.index, self.num_units))
-        for idx in new_idx:
-            self.meta.reserved[idx] = rid
+        self.meta.reserve(rid, new_idx)
         plan = RestorePlan(rid, pid, body["dump_dir"], rows, body["field_schema"], sorted(units),
                            new_idx, body.get("dump_id"))
         try:
@@ -183,9 +182,7 @@ class RestoreProtocol:
                 "topology": self.topology_incarnation}
 
     def _release(self, plan: RestorePlan) -> None:
-        for idx in plan.new_indexes:
-            self.meta.reserved.pop(idx, None)
-        self.meta.release(plan.new_indexes)
+        self.meta.unreserve(plan.new_indexes, free=True)
 
     def restore_unit(self, body, req):
         """A unit claims permission, reports its rows staged, or reports failure."""
@@ -333,8 +330,7 @@ class RestoreProtocol:
                                            meta_change=change if self.metajournal.enabled else None)
         faults.hit("controller.meta.restore_publish.after_commit")
         self.meta.apply_publish(plan.partition_id, change, schema)
-        for idx in plan.new_indexes:
-            self.meta.reserved.pop(idx, None)
+        self.meta.unreserve(plan.new_indexes, free=False)
         self.restores.pop(rid, None)
         faults.hit("controller.restore.after_publish")
         faults.hit("controller.meta.restore_publish.before_reply")

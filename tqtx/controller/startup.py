@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 
@@ -41,7 +40,6 @@ def replay(ctl) -> list[dict]:
                     len(snap["partitions"]), ctl.meta.lost_rows(), time.perf_counter() - t0)
     actions = recover_controller_journal(ctl.journal, incarnation_id=ctl.incarnation,
                                          keep_committing=ctl.metajournal.enabled)
-    reserved = set()
     for rec in ctl.journal.unresolved_restores():
         data = ctl.journal.restore_plan(rec["restore_id"])
         if rec["state"] != st.COMMITTING or not data:
@@ -49,14 +47,8 @@ def replay(ctl) -> list[dict]:
         plan = RestorePlan.decode(data)
         ctl.restores[plan.restore_id] = plan
         gen_of = {r.index: r.gen for r in plan.rows}
-        for idx in plan.new_indexes:
-            ctl.meta.reserved[idx] = plan.restore_id
-            ctl.meta.gens[idx] = gen_of[idx]
-            reserved.add(idx)
-        ctl.meta.next_index = max([ctl.meta.next_index, *(i + 1 for i in plan.new_indexes)])
-    if reserved:
-        ctl.meta.free = [i for i in ctl.meta.free if i not in reserved]
-        heapq.heapify(ctl.meta.free)
+        ctl.meta.reserve(plan.restore_id, plan.new_indexes,
+                         [gen_of[i] for i in plan.new_indexes])
     for event in actions:
         log.warning("startup recovery: %s %s: %s %s", event.get("kind"), event.get("target"),
                     event.get("action"), event.get("detail", ""))

@@ -88,9 +88,8 @@ def write_manifest(staging_dir, *, dump_id: str, partition_id: str, keys: int,
     if (staging / SHARDS_DIR).is_dir():
         fsutil.fsync_dir(staging / SHARDS_DIR)
     fsutil.fsync_dir(staging)
-    tmp = staging / (MANIFEST + ".tmp")
-    fsutil.write_file_synced(tmp, (json.dumps(manifest, indent=2) + "\n").encode())
-    os.replace(tmp, staging / MANIFEST)
+    fsutil.replace_file_synced(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode(),
+                               tmp=staging / (MANIFEST + ".tmp"))
     fsutil.fsync_dir(staging)
     return manifest
 
