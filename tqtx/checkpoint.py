@@ -16,6 +16,7 @@ from . import format as fmt
 from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError
 from .journal.store import DumpJournal
+from .validate import check_snapshot_names
 from .version import __version__
 from .wire.codec import packb, unpackb
 from .wire.peer import call_many
@@ -137,6 +138,7 @@ def load(client, ckpt_dir: str) -> dict:
                              f"{client.num_units}")
         meta = unpackb(_read_checked(os.path.join(ckpt_dir, "controller.msgpack"),
                                      manifest["controller"]))
+        check_snapshot_names(meta, os.path.join(ckpt_dir, "controller.msgpack"))
         per_unit = {}
         for entry in manifest["units"]:
             rel = entry["file"]
