@@ -212,26 +212,52 @@ def close(*, cancel_dumps: bool = False) -> dict:
             return report
         from .dump import save
         report = save.settle_background_dumps(cancel=cancel_dumps)
+        ended = False
         try:
             if _deployment is not None:
-                _end_buffer(_client)
-            _client.close()
+                ended = _end_buffer(_client)
         finally:
-            if _deployment is not None:
-                _deployment.stop()
-            _client = _deployment = _config = None
+            try:
+                if _deployment is not None:
+                    adopted = ended and getattr(_deployment, "controller_replaced", bool)()
+                    _deployment.stop()
+                    if adopted:
+                        _stop_adopted_controller(_client, _deployment)
+            finally:
+                _client.close()
+                _client = _deployment = _config = None
         return report
 
 
-def _end_buffer(client) -> None:
+def _end_buffer(client) -> bool:
     """The process that started the deployment closes it: the buffer ends with its units, so
-    the controller discards the journaled metadata (a crash keeps it, see docs/journal.md)."""
+    the controller discards the journaled metadata (a crash keeps it, see docs/journal.md).
+    Whether the controller did."""
     try:
         client.controller.call("END_BUFFER", timeout=10)
+        return True
     except Exception as exc:  # noqa: BLE001 - closing must not fail on a dead controller
         import logging
         logging.getLogger("tqtx.init").warning("close: the controller did not discard the "
                                                "buffer's metadata: %s", exc)
+        return False
+
+
+def _stop_adopted_controller(client, deployment) -> None:
+    """The controller this process started exited and another one, restarted by hand on the
+    deployment's state dir and port, took its place and ended the buffer: stop it as close
+    stops its own (after the units), so the state dir is free for the next ``init``."""
+    import logging
+    log = logging.getLogger("tqtx.init")
+    try:
+        client.controller.call("SHUTDOWN", timeout=10)
+    except Exception as exc:  # noqa: BLE001 - it may have gone by itself meanwhile
+        log.warning("close: the controller at %s that replaced this deployment's did not "
+                    "take SHUTDOWN: %s", client.address, exc)
+        return
+    if not deployment.wait_state_dir_free(timeout=10):
+        log.warning("close: the controller at %s still holds %s/controller.lock 10 s after "
+                    "SHUTDOWN", client.address, deployment.state_dir)
 
 
 def _set_compat(mode) -> None:
