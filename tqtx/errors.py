@@ -116,6 +116,13 @@ class DumpNotFoundError(DumpFormatError, FileNotFoundError):
         return str(self.args[0]) if self.args else ""
 
 
+class JournalWriteError(TqtxError, OSError):
+    """A journal (the controller's ``journal.sqlite``, a dump's ``<dump>.journal.sqlite``)
+    could not be written: ``errno`` (ENOSPC for a full disk, EIO, EROFS ...) and
+    ``filename`` (the journal's path), as any OSError. Nothing of the failed request was
+    recorded; once the cause is gone (space freed) the next request writes again."""
+
+
 class StateDirInUseError(TqtxError, RuntimeError):
     """Another live controller owns the state directory."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from sqlalchemy.exc import DatabaseError
 from .. import states as st
 from ..paths import controller_journal_path, records_location
 from ..states import IllegalTransition, check
-from .base import _damage, _Journal, utcnow
+from .base import _damage, _Journal, journal_write_error, journal_writes, utcnow
 from .meta import apply_change
 from .migrate import CONTROLLER, DUMP, make_engine, open_plain
 from .models import Dump, Incarnation, RecoveryEvent
@@ -268,7 +269,7 @@ class ControllerJournal(_Journal):
         """
         if outcome not in st.RESTORE_FINAL:
             raise IllegalTransition(f"restore {restore_id!r}: {outcome!r} is not a final state")
-        with self._engine.begin() as conn:
+        with journal_writes(self.path), self._engine.begin() as conn:
             run = conn.exec_driver_sql
             r = self._restore(run, restore_id)
             if not check(st.RESTORE, r["state"], outcome, subject=f"restore {restore_id!r}",
@@ -393,7 +394,8 @@ class DumpJournal(_Journal):
         try:
             self._plain = open_plain(path, self._chain, wal=self._wal, upgrade=migrate)
         except (sqlite3.DatabaseError, DatabaseError) as exc:
-            raise self._damaged(_damage(path, self._chain, exc)) from None
+            full = journal_write_error(exc, path)  # a full disk is not a damaged file
+            raise (full or self._damaged(_damage(path, self._chain, exc))) from None
 
     @property
     def engine(self) -> Engine:
@@ -401,8 +403,10 @@ class DumpJournal(_Journal):
             self._engine = make_engine(self.path, wal=self._wal)
         return self._engine
 
+    @contextmanager
     def _sql(self):
-        return self._plain.transaction()
+        with journal_writes(self.path), self._plain.transaction() as run:
+            yield run
 
     def close(self) -> None:
         """Close the connection (and the engine's pool, if one was made)."""
