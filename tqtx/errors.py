@@ -123,6 +123,11 @@ class JournalWriteError(TqtxError, OSError):
     recorded; once the cause is gone (space freed) the next request writes again."""
 
 
+class JournalBusyError(TqtxError, TimeoutError):
+    """A journal stayed locked by another process past SQLite's busy timeout (30 s): a
+    writer in a long transaction, or a stuck process holding it. The file is not damaged."""
+
+
 class StateDirInUseError(TqtxError, RuntimeError):
     """Another live controller owns the state directory."""
 

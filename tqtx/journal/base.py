@@ -46,6 +46,22 @@ def journal_write_error(exc: BaseException, path) -> JournalWriteError | None:
                                      f"SQLite: {orig})", os.fspath(path))
 
 
+def open_error(exc: BaseException, path, chain: str, damaged) -> Exception:
+    """What failing to open the journal at ``path`` means: a full disk (JournalWriteError),
+    another process holding its lock past the busy timeout (JournalBusyError), else a
+    damaged file (``damaged(message)``)."""
+    full = journal_write_error(exc, path)
+    if full is not None:
+        return full
+    text = str(getattr(exc, "orig", None) or exc)
+    if "locked" in text or "busy" in text:
+        from ..errors import JournalBusyError
+        return JournalBusyError(f"{path}: the {chain} journal stayed locked by another "
+                                f"process ({text}): a live controller in a long write, or a "
+                                f"stuck one; the file itself is not damaged")
+    return damaged(_damage(path, chain, exc))
+
+
 @contextmanager
 def journal_writes(path) -> Iterator[None]:
     """Raise a failed write to the journal at ``path`` as a JournalWriteError (errno and
@@ -76,16 +92,15 @@ class _Journal:
     _chain = ""
     _wal = True
 
-    def _open(self, path: Path, migrate: bool) -> None:
+    def _open(self, path: Path, migrate: bool, readonly: bool = False) -> None:
         self.path = path
-        self._engine = make_engine(path, wal=self._wal)
-        if migrate:
+        self._engine = make_engine(path, wal=self._wal, readonly=readonly)
+        if migrate and not readonly:
             try:
                 upgrade_engine(self._engine, path, self._chain)
             except DatabaseError as exc:
                 self._engine.dispose()
-                full = journal_write_error(exc, path)  # a full disk is not a damaged file
-                raise (full or self._damaged(_damage(path, self._chain, exc))) from None
+                raise open_error(exc, path, self._chain, self._damaged) from None
 
     @staticmethod
     def _damaged(message: str) -> Exception:
