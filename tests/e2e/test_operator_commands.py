@@ -77,7 +77,24 @@ def test_journal_show_and_inspect_need_no_live_process(tq_start, tmp_path):
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["buffer"] == [{"partition_id": "p", "keys": 3, "lost_rows": 0}]
+    assert report["controller"]["running"] is False  # named: killed, not ended
+    assert report["controller"]["pid"] == cfg["pids"]["controller"]
+    assert report["controller"]["ended_at"] is None
     assert [d["keys"] for d in report["dumps"]] == [2]
     assert tqtx("journal", "show", tmp_path / "dump").returncode == 0
     res = tqtx("inspect", "--json", tmp_path / "dump")
     assert res.returncode == 0 and json.loads(res.stdout)["keys"] == 2
+
+
+def test_inspect_of_a_damaged_dump_prints_its_manifest_and_names_what_is_missing(tq_start,
+                                                                                 tmp_path):
+    _deployment(tq_start, tmp_path)
+    shard = tmp_path / "dump" / "shards" / "unit-1.bin"
+    shard.unlink()
+    res = tqtx("inspect", "--json", tmp_path / "dump")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    out = json.loads(res.stdout)
+    assert out["ok"] is False and str(shard) in out["error"] and "missing" in out["error"]
+    assert out["manifest"]["keys"] == 2 and out["manifest"]["partition_id"] == "p"
+    res = tqtx("inspect", tmp_path / "dump")
+    assert res.returncode == 1 and "keys: 2" in res.stdout and str(shard) in res.stderr
