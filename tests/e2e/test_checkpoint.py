@@ -237,31 +237,6 @@ def test_async_twins(shared, tmp_path):
     assert tq.kv_list() == {"p": {"a": {"t": 1}}}
 
 
-def test_unit_count_mismatch(shared, tmp_path, tq_start):
-    """Runs last: it replaces the shared deployment with a 2-unit one."""
-    tq.kv_put("a", "p", {"x": torch.ones(2)})
-    ckpt = tmp_path / "ckpt3"
-    tq.save_checkpoint(ckpt)
-    tq_start(num_units=2)
-    tq.kv_put("b", "q", {"y": torch.zeros(1)})
-    with pytest.raises(ValueError, match="count mismatch"):
-        tq.load_checkpoint(ckpt)
-    assert tq.kv_list() == {"q": {"b": {}}}
-
-
-def test_unit_failing_mid_load_leaves_state_alone(tq_start, tmp_path):
-    """Runs last (own deployment): unit 1 fails every LOAD_CHECKPOINT."""
-    tq_start(num_units=2, unit_env={1: {"TQTX_FAULTS": "unit.request.LOAD_CHECKPOINT:raise"}})
-    keys = [f"k{i}" for i in range(8)]
-    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.arange(8)}, batch_size=[8]))
-    ckpt = tmp_path / "ckpt"
-    tq.save_checkpoint(ckpt)
-    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.arange(8) + 100}, batch_size=[8]))
-    with pytest.raises(Exception, match="fault injected"):
-        tq.load_checkpoint(ckpt)
-    assert tq.kv_batch_get(keys, "p")["x"].tolist() == list(range(100, 108))
-
-
 def test_checkpoint_with_a_non_str_partition_id_is_refused_before_anything(shared, tmp_path):
     """A checkpoint holding an int partition id (an earlier tqtx let
     load_data_by_key(partition_id=5) create one) is refused naming the file and the id,
@@ -293,3 +268,28 @@ def test_checkpoint_with_a_non_str_partition_id_is_refused_before_anything(share
     assert tq.kv_list() == before
     assert tq.kv_batch_get(["a", "b"], "p")["x"].tolist() == [[1.0] * 3, [0.0] * 3]
     assert loads() == loads_before  # no unit was asked to stage anything
+
+
+def test_unit_count_mismatch(shared, tmp_path, tq_start):
+    """Runs last: it replaces the shared deployment with a 2-unit one."""
+    tq.kv_put("a", "p", {"x": torch.ones(2)})
+    ckpt = tmp_path / "ckpt3"
+    tq.save_checkpoint(ckpt)
+    tq_start(num_units=2)
+    tq.kv_put("b", "q", {"y": torch.zeros(1)})
+    with pytest.raises(ValueError, match="count mismatch"):
+        tq.load_checkpoint(ckpt)
+    assert tq.kv_list() == {"q": {"b": {}}}
+
+
+def test_unit_failing_mid_load_leaves_state_alone(tq_start, tmp_path):
+    """Runs last (own deployment): unit 1 fails every LOAD_CHECKPOINT."""
+    tq_start(num_units=2, unit_env={1: {"TQTX_FAULTS": "unit.request.LOAD_CHECKPOINT:raise"}})
+    keys = [f"k{i}" for i in range(8)]
+    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.arange(8)}, batch_size=[8]))
+    ckpt = tmp_path / "ckpt"
+    tq.save_checkpoint(ckpt)
+    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.arange(8) + 100}, batch_size=[8]))
+    with pytest.raises(Exception, match="fault injected"):
+        tq.load_checkpoint(ckpt)
+    assert tq.kv_batch_get(keys, "p")["x"].tolist() == list(range(100, 108))

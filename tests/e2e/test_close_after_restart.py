@@ -45,9 +45,9 @@ def _close_and_check(state_dir, caplog, pids) -> None:
         tq.close()
 
 
-def test_close_after_restart_controller_ends_the_buffer(tmp_path, caplog):
+def test_close_after_restart_controller_ends_the_buffer(tq_start, tmp_path, caplog):
     state = str(tmp_path / "state")
-    tq.init({"state_dir": state})
+    tq_start(2, state_dir=state)
     _fill()
     dep = api._deployment_handle()
     dep.restart_controller(env=SLOW_END)
@@ -55,10 +55,10 @@ def test_close_after_restart_controller_ends_the_buffer(tmp_path, caplog):
     _close_and_check(state, caplog, list(dep.pids.values()))
 
 
-def test_close_after_a_hand_restarted_controller_ends_the_buffer_and_stops_it(tmp_path,
-                                                                              caplog):
+def test_close_after_a_hand_restarted_controller_ends_the_buffer_and_stops_it(tq_start,
+                                                                              tmp_path, caplog):
     state = str(tmp_path / "state")
-    cfg = tq.init({"state_dir": state})
+    cfg = tq_start(2, state_dir=state)
     _fill()
     dep = api._deployment_handle()
     ours = dep.procs["controller"]
@@ -82,9 +82,9 @@ def test_close_after_a_hand_restarted_controller_ends_the_buffer_and_stops_it(tm
     assert not alive(hand.pid)
 
 
-def test_close_with_the_controller_dead_still_stops_the_units(tmp_path, caplog):
+def test_close_with_the_controller_dead_still_stops_the_units(tq_start, tmp_path, caplog):
     state = str(tmp_path / "state")
-    tq.init({"state_dir": state})
+    tq_start(2, state_dir=state)
     _fill(3)
     dep = api._deployment_handle()
     dep.procs["controller"].kill()

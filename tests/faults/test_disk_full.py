@@ -41,6 +41,7 @@ def tmpfs(tmp_path):
         mounted.append(where)
         return where
 
+    tq.close()  # each test starts its own deployment
     yield mount
     tq.close()
     for where in reversed(mounted):
