@@ -494,11 +494,14 @@ def check_snapshot_names(snapshot, source: str) -> None:
             raise DumpFormatError(f"{source}: partition id {shown(pid)} is not a non-blank "
                                   f"str; this tqtx keeps partition ids as str only")
         rows = data.get("rows") if isinstance(data, Mapping) else None
-        for row in rows if isinstance(rows, list) else ():
-            key = row[0] if isinstance(row, list) and row else None
-            if KEY.refuse_quietly(key):
-                raise DumpFormatError(f"{source}: partition {pid!r}: key {shown(key)} is not "
-                                      f"a str; this tqtx keeps keys as str only")
+        keys = [row[0] if isinstance(row, list) and row else None
+                for row in (rows if isinstance(rows, list) else ())]
+        try:
+            "".join(keys)  # one C-level pass: join takes only str
+        except TypeError:
+            key = next(k for k in keys if not isinstance(k, str))
+            raise DumpFormatError(f"{source}: partition {pid!r}: key {shown(key)} is not "
+                                  f"a str; this tqtx keeps keys as str only") from None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -510,11 +513,11 @@ def as_key_list(keys) -> list[str]:
 def check_keys(keys, what: str = "keys") -> list[str]:
     """``keys`` as a list: one str is one key (as in TransferQueue); a non-empty list of
     distinct str otherwise."""
-    BATCH_KEYS.check("keys", what, keys)
+    BATCH_KEYS.check("tqtx", what, keys)
     return as_key_list(keys)
 
 
 def check_partition(pid) -> str:
     """``pid`` if it is a non-blank, valid UTF-8 str; TypeError or ValueError otherwise."""
-    PARTITION.check("partition", "partition_id", pid)
+    PARTITION.check("tqtx", "partition_id", pid)
     return pid
