@@ -11,7 +11,7 @@ journal's files and the tree of the test's dumps and targets are byte-identical.
 every call the deployment still serves a put and a get. An accepted call's effects are
 undone before the next example.
 
-``TQTX_SWEEP_EXAMPLES`` (default 12) is the number of examples per argument.
+``TQTX_SWEEP_EXAMPLES`` (default 25) is the number of examples per argument.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from treehash import diff, snapshot
 
 pytestmark = pytest.mark.timeout(600)
 
-EXAMPLES = int(os.environ.get("TQTX_SWEEP_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("TQTX_SWEEP_EXAMPLES", "25"))
 P = "sweep"            # seeded partition: keys a, b with field x
 PUT_P = "sweep-put"    # where the put functions' accepted calls land (emptied after each)
 HUGE = "k" * 100_000   # over every length limit (keys, partition IDs, paths)
@@ -247,6 +247,9 @@ def test_wrong_values_are_refused_and_change_nothing(sweep, function, argument):
                                      HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(value=WRONG)
     def run(value):
+        counts = RAN.setdefault((function, argument), {"examples": 0, "refused": 0,
+                                                       "accepted": 0})
+        counts["examples"] += 1
         if function.endswith("close") and isinstance(value, bool):
             return  # accepted, and it would end the deployment: close's own tests do that
         kwargs = {a: v for a, (v, _) in base.items()}
@@ -262,13 +265,32 @@ def test_wrong_values_are_refused_and_change_nothing(sweep, function, argument):
                 assert not str(exc).startswith(refusal), (function, argument, value, str(exc))
             else:
                 assert str(exc).startswith(refusal), (function, argument, value, str(exc))
+            counts["refused"] += 1
             after = visible(root, state)
             assert after[0] == before[0], "kv_list changed"
             assert after[1] == before[1], "the controller journal changed"
             assert not diff(before[2], after[2]), diff(before[2], after[2])
         else:
             assert accepted(value), f"{function}({argument}={value!r}) was accepted"
+            counts["accepted"] += 1
             undo(root, result)
         serves_a_put_and_a_get()
 
     run()
+
+
+RAN: dict = {}  # (function, argument) -> examples run, refused, accepted
+
+
+def test_every_case_ran_its_examples(capsys):
+    """Runs after the sweep (module order): each case that ran got its examples; the totals
+    are printed (-s not needed)."""
+    if not RAN:
+        pytest.skip("no sweep case ran in this session (deselected)")
+    short = {case: c for case, c in RAN.items() if c["examples"] < EXAMPLES}
+    assert not short, short
+    total = {k: sum(c[k] for c in RAN.values()) for k in ("examples", "refused", "accepted")}
+    with capsys.disabled():
+        print(f"\nargument sweep: {len(RAN)} function/argument cases, {total['examples']} "
+              f"examples ({total['refused']} refused, {total['accepted']} accepted), "
+              f"{EXAMPLES} per case")
