@@ -61,7 +61,10 @@ def test_show_json_controller(runner, populated):
     assert res.exit_code == 0
     out = json.loads(res.output)
     assert set(out) == {"journal", "kind", "restores", "publications", "incarnations", "dumps",
-                        "recovery_events", "buffer"}
+                        "recovery_events", "buffer", "controller"}
+    assert out["controller"] == {"running": False, "incarnation": 1, "pid": 4242,
+                                 "host": "node1", "address": "tcp://node1:5555",
+                                 "ended_at": None}
     assert out["journal"] == str(state / "journal.sqlite") and out["kind"] == "controller"
     assert out["buffer"] == []  # no keys journaled in this state dir
     half, ok = out["restores"]  # newest first
@@ -237,3 +240,45 @@ def test_migrate_and_check(runner, tmp_path):
     res = runner.invoke(journal, ["check", "--state-dir", str(state), "--json"])
     assert res.exit_code == 1
     assert json.loads(res.output)["foreign_key_errors"] == [["restores", 1, "incarnations", 0]]
+
+
+def test_show_reads_while_a_writer_holds_the_journal_lock(runner, populated):
+    """A live controller mid-write (here: a connection holding BEGIN IMMEDIATE) does not
+    make ``show`` wait out SQLite's busy timeout and fail calling the journal damaged."""
+    state, _dump = populated
+    con = sqlite3.connect(state / "journal.sqlite", isolation_level=None)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        con.execute("INSERT INTO meta_counters (name, value) VALUES ('held', 1)")
+        res = invoke(runner, "show", "--state-dir", state, "--json")
+        assert res.exit_code == 0, res.output
+        assert [r["restore_id"] for r in json.loads(res.output)["restores"]] == ["r-half", "r-ok"]
+    finally:
+        con.execute("ROLLBACK")
+        con.close()
+
+
+def test_show_names_a_dump_journal_it_cannot_read_and_exits_1(runner, populated):
+    state, dump = populated
+    (dump.parent / "buf.journal.sqlite").write_bytes(b"not a database" * 100)
+    res = runner.invoke(journal, ["show", "--state-dir", str(state), "--json"])
+    assert res.exit_code == 1
+    out = json.loads(res.stdout)
+    assert out["unreadable"] == [{"journal": str(dump) + ".journal.sqlite",
+                                  "error": "DatabaseError: file is not a database"}]
+    assert len(out["restores"]) == 2  # the rest is printed
+    assert "cannot read the dump journal" in res.stderr and "Traceback" not in res.output
+    res = runner.invoke(journal, ["show", str(dump)])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit)
+    assert res.stderr.startswith("error: cannot read the dump journal ") and \
+        "damaged dump journal (file is not a database)" in res.stderr, res.stderr
+
+
+def test_show_says_whether_the_controller_runs(runner, populated):
+    state, _dump = populated
+    res = invoke(runner, "show", "--state-dir", state, "--layout", "records")
+    assert "running controller\n  running:     no\n" in res.output
+    assert "did not end cleanly" in res.output  # incarnation 1 never ended
+    with FileLock(str(state / "controller.lock")):  # what a live controller holds
+        out = json.loads(invoke(runner, "show", "--state-dir", state, "--json").output)
+    assert out["controller"]["running"] is True

@@ -63,7 +63,7 @@ def test_embedded_init_does_not_import_ray(tmp_path):
 
 
 def test_unknown_placement_is_refused(tq_start):
-    with pytest.raises(ValueError, match="placement must be one of"):
+    with pytest.raises(ValueError, match="'placement' must be one of 'local', 'ray'"):
         tq_start(placement="k8s")
 
 

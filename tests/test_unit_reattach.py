@@ -256,23 +256,34 @@ def test_heartbeat_rides_out_a_controller_restart(caplog):
     u = StorageUnit(0, ctl.address)
     t = threading.Thread(target=u.serve_forever, daemon=True)
     t.start()
+    beats: list[str] = []  # what each heartbeat beat found ("" when all was well)
+    beat_once = u._beat
+
+    def counted(peer, wait):
+        found = beat_once(peer, wait)
+        beats.append(found[0])
+        return found
+    u._beat = counted
+
+    def lines(text):
+        return [r for r in list(caplog.records) if text in r.getMessage()]
     try:
         u.register(timeout=10)
         caplog.set_level(logging.INFO, logger="tqtx.unit")
         beat = u.start_heartbeat(period=0.05)
         _wait(lambda: ctl.pings >= 2, "heartbeat PINGs")
         ctl.stop()
-        time.sleep(1.5)  # several beats, each a failed PING
-        ctl = FakeController(incarnation=2, port=port)
-        _wait(lambda: len(ctl.registrations) == 1, "registration with the new controller",
+        _wait(lambda: beats.count("ping") >= 3, "three beats with a failed PING",
               timeout=20)
-        assert u.incarnation == 2
-        time.sleep(0.3)
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING
-                    and "unreachable" in r.getMessage()]
-        backs = [r for r in caplog.records if "reachable and registered again" in r.getMessage()]
-        assert len(warnings) == 1, [r.getMessage() for r in warnings]
-        assert len(backs) == 1
+        ctl = FakeController(incarnation=2, port=port)
+        # the unit has read the new controller's reply, and its heartbeat said so
+        _wait(lambda: u.incarnation == 2, "the unit to take the new incarnation", timeout=20)
+        _wait(lambda: lines("reachable and registered again"), "the unit's 'back' line")
+        pings = ctl.pings
+        _wait(lambda: ctl.pings >= pings + 3, "PINGs after the re-registration")
+        warnings = [r for r in lines("unreachable") if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]  # once, not per beat
+        assert len(lines("reachable and registered again")) == 1
         assert len(ctl.registrations) == 1
     finally:
         u.server.stop()

@@ -21,7 +21,7 @@ _ERRORS = {"KeysNotFoundError", "RestorePendingError", "PeerTimeoutError", "Peer
            "DumpFormatError", "StateDirInUseError", "TqtxError", "RemoteError",
            "TargetNotADumpError", "ReadOnlyDumpError", "DumpNotFoundError",
            "FieldsNotFoundError", "PartitionNotFoundError", "SchemaConflictError",
-           "RowsLostError", "StaleRowsError", "PutPartlyAppliedError"}
+           "RowsLostError", "StaleRowsError", "PutPartlyAppliedError", "JournalWriteError"}
 
 __all__ = sorted(_API | _ERRORS) + ["__version__", "TRANSFERQUEUE_API_VERSION"]
 

@@ -15,7 +15,7 @@ import threading
 from .client import Client, KVBatchMeta
 from .errors import TqtxError
 from .gcpause import gc_paused
-from .validate import check_keys, check_partition, check_utf8
+from .validate import as_key_list, check_call, is_tensordict
 
 __all__ = [
     "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
@@ -69,15 +69,16 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     the cluster; inside a Ray job that has one, a bare init attaches (docs/deployment.md).
     Calling init again while initialized returns the current config.
     """
+    check_call("init", locals())
     global _client, _deployment, _config
     if conf is not None and config is not None:
         raise TypeError("init() takes conf or config, not both")
     config = conf if conf is not None else config
     with _lock:
+        from .initconfig import resolve
+        given = resolve(config)  # checked also when it is not used (already initialized)
         if _client is not None:
             return dict(_config)
-        from .initconfig import resolve
-        given = resolve(config)
         _set_compat(given.pop("compat", None))
         cfg = {**DEFAULTS, **given}
         warm = cfg.get("warm_dump")  # None: only in a process that starts the deployment
@@ -203,6 +204,7 @@ def close(*, cancel_dumps: bool = False) -> dict:
 
     Returns ``{"waited": [dump_ids], "cancelled": [dump_ids]}`` for background dumps.
     """
+    check_call("close", locals())
     global _client, _deployment, _config
     with _lock:
         report = {"waited": [], "cancelled": []}
@@ -210,26 +212,52 @@ def close(*, cancel_dumps: bool = False) -> dict:
             return report
         from .dump import save
         report = save.settle_background_dumps(cancel=cancel_dumps)
+        ended = False
         try:
             if _deployment is not None:
-                _end_buffer(_client)
-            _client.close()
+                ended = _end_buffer(_client)
         finally:
-            if _deployment is not None:
-                _deployment.stop()
-            _client = _deployment = _config = None
+            try:
+                if _deployment is not None:
+                    adopted = ended and getattr(_deployment, "controller_replaced", bool)()
+                    _deployment.stop()
+                    if adopted:
+                        _stop_adopted_controller(_client, _deployment)
+            finally:
+                _client.close()
+                _client = _deployment = _config = None
         return report
 
 
-def _end_buffer(client) -> None:
+def _end_buffer(client) -> bool:
     """The process that started the deployment closes it: the buffer ends with its units, so
-    the controller discards the journaled metadata (a crash keeps it, see docs/journal.md)."""
+    the controller discards the journaled metadata (a crash keeps it, see docs/journal.md).
+    Whether the controller did."""
     try:
         client.controller.call("END_BUFFER", timeout=10)
+        return True
     except Exception as exc:  # noqa: BLE001 - closing must not fail on a dead controller
         import logging
         logging.getLogger("tqtx.init").warning("close: the controller did not discard the "
                                                "buffer's metadata: %s", exc)
+        return False
+
+
+def _stop_adopted_controller(client, deployment) -> None:
+    """The controller this process started exited and another one, restarted by hand on the
+    deployment's state dir and port, took its place and ended the buffer: stop it as close
+    stops its own (after the units), so the state dir is free for the next ``init``."""
+    import logging
+    log = logging.getLogger("tqtx.init")
+    try:
+        client.controller.call("SHUTDOWN", timeout=10)
+    except Exception as exc:  # noqa: BLE001 - it may have gone by itself meanwhile
+        log.warning("close: the controller at %s that replaced this deployment's did not "
+                    "take SHUTDOWN: %s", client.address, exc)
+        return
+    if not deployment.wait_state_dir_free(timeout=10):
+        log.warning("close: the controller at %s still holds %s/controller.lock 10 s after "
+                    "SHUTDOWN", client.address, deployment.state_dir)
 
 
 def _set_compat(mode) -> None:
@@ -272,14 +300,9 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
            data_parser=None) -> KVBatchMeta:
     """Put one sample: ``fields`` is a dict (tensors get a batch dim) or a TensorDict row.
     ``data_parser`` is refused (NotImplementedError): it would ship code."""
+    check_call("kv_put", locals())
     from . import tensors
     _refuse_data_parser(data_parser)
-    if not isinstance(key, str):
-        raise TypeError(f"key must be str, got {type(key).__name__}")
-    check_utf8("key", key)
-    check_partition(partition_id)
-    if tag is not None and not isinstance(tag, dict):
-        raise TypeError("tag must be a dict")
     columns = {}
     if fields is not None:
         if hasattr(fields, "batch_size") and len(fields.batch_size) >= 1:
@@ -287,10 +310,7 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
                 raise ValueError(f"kv_put takes one sample; got batch size {list(fields.batch_size)}")
             columns = tensors.columns_from_tensordict(fields, 1)
         else:
-            items = fields.items() if hasattr(fields, "items") else None
-            if items is None:
-                raise TypeError("fields must be a dict or a TensorDict")
-            columns = tensors.columns_from_dict(dict(items))
+            columns = tensors.columns_from_dict(dict(fields.items()))
     return _put([key], partition_id, columns, [tag] if tag is not None else None)
 
 
@@ -299,22 +319,18 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
                  tags: list[dict] | None = None, data_parser=None) -> KVBatchMeta:
     """Put a batch: ``fields`` is a TensorDict (or dict) with batch_size == len(keys); one
     str is one key. ``data_parser`` is refused (NotImplementedError): it would ship code."""
+    check_call("kv_batch_put", locals())
     from . import tensors
     _refuse_data_parser(data_parser)
-    keys = check_keys(keys)
-    check_partition(partition_id)
+    keys = as_key_list(keys)
     if tags is not None:
         tags = list(tags)
         if len(tags) != len(keys):
             raise ValueError(f"got {len(tags)} tags for {len(keys)} keys")
-        for t in tags:
-            if t is not None and not isinstance(t, dict):
-                raise TypeError("each tag must be a dict or None")
     columns = {}
     if fields is not None:
-        if isinstance(fields, dict):
-            from tensordict import TensorDict
-            fields = TensorDict(fields, batch_size=[len(keys)])
+        if not is_tensordict(fields):
+            fields = tensors.batch_from_dict(fields, len(keys))
         columns = tensors.columns_from_tensordict(fields, len(keys))
     return _put(keys, partition_id, columns, tags)
 
@@ -353,9 +369,9 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     ValueErrors); with ``compat: "transferqueue"`` both are left out instead, and tensor
     fields come back nested (jagged) as in TransferQueue (docs/compatibility.md). A key
     whose row was lost raises RowsLostError (a KeyError) in both modes, never left out."""
+    check_call("kv_batch_get", locals())
     from . import tensors
-    keys = check_keys(keys)
-    check_partition(partition_id)
+    keys = as_key_list(keys)
     select_fields = _select_list(select_fields)
     client = get_client()
     lenient = _compat == "transferqueue"
@@ -380,6 +396,7 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):
     """Get the rows named by a :class:`KVBatchMeta` (its fields unless ``select_fields``,
     a str or a list, each of which must be in ``meta.fields``)."""
+    check_call("kv_batch_get_by_meta", locals())
     from .errors import FieldsNotFoundError
     if meta.partition_id is None:
         raise ValueError("Must provide partition_id in the input KVBatchMeta.")
@@ -395,20 +412,19 @@ def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):
 
 def kv_list(partition_id: str | None = None) -> dict:
     """``{partition_id: {key: tag}}`` for one partition or all."""
+    check_call("kv_list", locals())
     from . import tensors
     raw = get_client().list_keys(partition_id)
     return {pid: {k: tensors.decode_object(t) for k, t in keys.items()}
             for pid, keys in raw.items()}
 
 
-def kv_clear(keys: list[str], partition_id: str) -> None:
-    """Remove keys (unknown keys and partitions are ignored); their indexes are reused."""
-    if isinstance(keys, str):
-        keys = [keys]
-    keys = list(keys)
-    if not keys:
-        return None
-    check_utf8("keys", [k for k in keys if isinstance(k, str)])
+def kv_clear(keys: list[str] | str, partition_id: str) -> None:
+    """Remove keys (unknown keys and partitions are ignored); their indexes are reused.
+    ``keys``: a str or a non-empty list of str (an empty list is a ValueError, as in
+    TransferQueue)."""
+    check_call("kv_clear", locals())
+    keys = as_key_list(keys)
     get_client().clear(keys, partition_id)
     return None
 
@@ -421,6 +437,7 @@ def save_checkpoint(checkpoint_dir, *, include_storage: bool = True,
     ``metadata`` goes to ``metadata.json`` as ``{"storage_saved": true, "user_metadata":
     metadata}``. ``include_storage=False`` has no effect (logged), as for TransferQueue's
     in-memory SimpleStorage: without the rows a restart would lose them."""
+    check_call("save_checkpoint", locals())
     from .checkpoint import save
     return save(get_client(), os.fspath(checkpoint_dir), metadata=metadata,
                 include_storage=include_storage)
@@ -432,6 +449,7 @@ def load_checkpoint(checkpoint_dir) -> dict:
     Returns ``{"dir", "metadata" (the user's), "storage_saved", "keys", "seconds"}``. A
     missing directory, ``metadata.json`` or unit file raises DumpNotFoundError (a
     FileNotFoundError) naming it, before anything is replaced."""
+    check_call("load_checkpoint", locals())
     from .checkpoint import load
     return load(get_client(), os.fspath(checkpoint_dir))
 
@@ -440,6 +458,7 @@ def load_checkpoint(checkpoint_dir) -> dict:
 def dump_data_by_key(dump_dir, keys, partition_id: str, *, via: str = "units",
                      block: bool = True):
     """Save exactly ``keys`` of ``partition_id`` (all their fields and tags) to ``dump_dir``."""
+    check_call("dump_data_by_key", locals())
     from .dump import save
     return save.dump_data_by_key(get_client(), os.fspath(dump_dir), keys, partition_id,
                                  via=via, block=block)
@@ -447,6 +466,7 @@ def dump_data_by_key(dump_dir, keys, partition_id: str, *, via: str = "units",
 
 def load_data_by_key(dump_dir, *, partition_id: str | None = None, via: str = "units") -> dict:
     """Merge a dump into the running system as one transaction."""
+    check_call("load_data_by_key", locals())
     from .dump import load
     return load.load_data_by_key(get_client(), os.fspath(dump_dir), partition_id=partition_id,
                                  via=via)
@@ -454,17 +474,20 @@ def load_data_by_key(dump_dir, *, partition_id: str | None = None, via: str = "u
 
 def recover_data_load(dump_dir, *, cancel: bool = False) -> bool:
     """Settle the restore recorded for ``dump_dir``: True if committed or nothing pending."""
+    check_call("recover_data_load", locals())
     from .dump import load
     return load.recover_data_load(get_client(), os.fspath(dump_dir), cancel=cancel)
 
 
 def list_restores(partition_id: str | None = None) -> list[dict]:
     """Unresolved restores (with their per-unit states)."""
+    check_call("list_restores", locals())
     return get_client().controller.call("LIST_RESTORES", {"partition_id": partition_id})["restores"]
 
 
 def read_row_index(dump_dir) -> dict:
     """A dump's keys, source indexes, fields, tags and schemas, without reading any payload."""
+    check_call("read_row_index", locals())
     from . import tensors
     from . import format as fmt
     from .publish import dump_lock, recover_publications

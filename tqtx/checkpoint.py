@@ -18,6 +18,7 @@ from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError, TqtxError
 from .fence import FENCE_ATTEMPTS, fence_pause
 from .journal.store import DumpJournal
+from .validate import check_snapshot_names
 from .version import __version__
 from .wire.codec import packb, unpackb
 from .wire.columns import pack_int64
@@ -228,6 +229,7 @@ def load(client, ckpt_dir: str) -> dict:
                              f"{client.num_units}")
         meta = unpackb(_read_checked(os.path.join(ckpt_dir, CONTROLLER),
                                      manifest["controller"]))
+        check_snapshot_names(meta, os.path.join(ckpt_dir, CONTROLLER))
         idents = None
         if version >= 2:
             idents = {r[1]: (pid, r[0], r[5]) for pid, data in meta["partitions"].items()

@@ -152,6 +152,24 @@ class LocalDeployment:
             from .owner import publish
             self.record = publish(self)
 
+    def controller_replaced(self) -> bool:
+        """Whether the controller process this deployment started has exited (another
+        one, restarted by hand on its state dir and port, may serve its address)."""
+        proc = self.procs.get("controller")
+        return proc is not None and proc.poll() is not None
+
+    def wait_state_dir_free(self, timeout: float = 10.0) -> bool:
+        """Wait until no controller holds this deployment's ``controller.lock``."""
+        import filelock
+        from .paths import controller_lock_path
+        lock = filelock.FileLock(os.fspath(controller_lock_path(self.state_dir)))
+        try:
+            lock.acquire(timeout=timeout)
+        except filelock.Timeout:
+            return False
+        lock.release()
+        return True
+
     def liveness(self, name: str):
         """A callable telling why process ``name`` is gone (None while it runs)."""
         def check():

@@ -142,6 +142,18 @@ class DumpNotFoundError(DumpFormatError, FileNotFoundError):
         return str(self.args[0]) if self.args else ""
 
 
+class JournalWriteError(TqtxError, OSError):
+    """A journal (the controller's ``journal.sqlite``, a dump's ``<dump>.journal.sqlite``)
+    could not be written: ``errno`` (ENOSPC for a full disk, EIO, EROFS ...) and
+    ``filename`` (the journal's path), as any OSError. Nothing of the failed request was
+    recorded; once the cause is gone (space freed) the next request writes again."""
+
+
+class JournalBusyError(TqtxError, TimeoutError):
+    """A journal stayed locked by another process past SQLite's busy timeout (30 s): a
+    writer in a long transaction, or a stuck process holding it. The file is not damaged."""
+
+
 class StateDirInUseError(TqtxError, RuntimeError):
     """Another live controller owns the state directory."""
 

@@ -349,6 +349,9 @@ def render_stats(data: dict, console=None) -> None:
     t = Table("process", "pid", "node", "uptime s", "rows", "bytes", "open restores",
               title="tqtx processes")
     for name, p in procs:
+        if p.get("error"):  # not reached: named below the table
+            t.add_row(name, "-", "-", "-", "-", "-", "unreachable")
+            continue
         opened = p.get("open_restores") if p.get("role") == "controller" else \
             p.get("staged_restores", [])
         t.add_row(name, str(p.get("pid", "-")), str(p.get("node") or "-")[:16],
@@ -356,6 +359,11 @@ def render_stats(data: dict, console=None) -> None:
                   str(p.get("rows", p.get("keys", "-"))), str(p.get("bytes", "-")),
                   str(len(opened or [])))
     con.print(t)
+    for name, p in procs:
+        if p.get("error"):
+            con.print(f"  {name} at {p.get('address') or '(no address)'}: unreachable: "
+                      f"{p['error']}")
+    procs = [(name, p) for name, p in procs if not p.get("error")]
     ctl = data["controller"]
     if ctl.get("lost_rows"):
         con.print(f"  lost rows: {ctl['lost_rows']} (listed, RowsLostError on read: put them "

@@ -33,16 +33,18 @@ def announce(obj: dict) -> None:
 
 def setup_logging(level: str | None = None, log_file: str | None = None, name: str = "") -> None:
     """stderr gets ``TQTX_LOG_LEVEL`` (WARNING); the log file gets at least INFO from ``tqtx.*``
-    (``TQTX_LOG_FILE_LEVEL``, default INFO), so dump/restore lines always reach the file."""
+    (``TQTX_LOG_FILE_LEVEL``, default INFO), so dump/restore lines always reach the file.
+    Neither floods when it cannot be written (a full disk: :mod:`tqtx.logutil`)."""
+    from .logutil import DiskSafeFileHandler, QuietStreamHandler
     level = (level or os.environ.get("TQTX_LOG_LEVEL", "WARNING")).upper()
-    stderr = logging.StreamHandler(sys.stderr)
+    stderr = QuietStreamHandler(sys.stderr)
     stderr.setLevel(level)
     handlers: list[logging.Handler] = [stderr]
     tqtx_level = logging.getLevelName(level)
     if log_file:
         os.makedirs(os.path.dirname(log_file) or ".", exist_ok=True)
         file_level = os.environ.get("TQTX_LOG_FILE_LEVEL", "INFO").upper()
-        fh = logging.FileHandler(log_file)
+        fh = DiskSafeFileHandler(log_file)  # a full disk drops records, never floods
         fh.setLevel(min(logging.getLevelName(file_level), tqtx_level))
         handlers.append(fh)
         tqtx_level = fh.level

@@ -52,7 +52,7 @@ ROLLED_BACK = "rolled-back"
 APPLYING = "applying"         # APPLY_STAGED to send
 REDOING = "redoing"           # the unit lost its staged rows: REDO_RESTORE from the dump
 REDO_FAILED = "redo_failed"   # the dump cannot provide them (also a pending reason)
-UNREACHABLE = "unreachable"   # the unit does not answer (or is not registered): later
+UNREACHABLE = "unanswered"    # the unit does not answer (or is not registered): later
 
 # checkpoint load
 DECIDED = "decided"           # metadata journaled with the load's marker: units switching

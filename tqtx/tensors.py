@@ -77,6 +77,10 @@ def encode_object(value, field: str):
     if isinstance(value, str):
         check_utf8(f"field {field!r}", value)
         return value
+    if isinstance(value, int) and not isinstance(value, bool) \
+            and not -(1 << 63) <= value < (1 << 64):
+        raise ValueError(f"field {field!r}: the int {value} does not fit in 64 bits (what "
+                         f"msgpack stores); store it as a str")
     if value is None or isinstance(value, (bytes, bool, int, float)):
         return value
     if isinstance(value, torch.Tensor):
@@ -209,6 +213,20 @@ def columns_from_tensordict(td: TensorDict, n: int) -> dict[str, list]:
         else:
             raise TypeError(f"field {field!r}: unsupported column type {type(col).__name__}")
     return columns
+
+
+def batch_from_dict(fields, n: int) -> TensorDict:
+    """``kv_batch_put``'s plain dict of batched columns as a TensorDict of ``n`` rows; a
+    column that does not hold one value per key is a ValueError naming it."""
+    for name, value in fields.items():
+        shape = getattr(value, "shape", None)
+        if shape is not None and (len(shape) == 0 or shape[0] != n):
+            raise ValueError(f"kv_batch_put(): fields[{name!r}] has shape {list(shape)}: a "
+                             f"column holds one value per key ({n})")
+    try:
+        return TensorDict(dict(fields), batch_size=[n])
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"kv_batch_put(): fields is not a batch of {n} rows: {exc}") from None
 
 
 def columns_from_dict(fields: dict) -> dict[str, list]:

@@ -237,6 +237,39 @@ def test_async_twins(shared, tmp_path):
     assert tq.kv_list() == {"p": {"a": {"t": 1}}}
 
 
+def test_checkpoint_with_a_non_str_partition_id_is_refused_before_anything(shared, tmp_path):
+    """A checkpoint holding an int partition id (an earlier tqtx let
+    load_data_by_key(partition_id=5) create one) is refused naming the file and the id,
+    before any unit stages a row: partition ids are str on every path (issue 33)."""
+    from tqtx import format as fmt
+    from tqtx.checkpoint import MANIFEST
+    from tqtx.wire.codec import packb, unpackb
+    tq.kv_put("a", "p", {"x": torch.ones(3)})
+    ckpt = tmp_path / "ckpt"
+    tq.save_checkpoint(ckpt)
+    ctl = ckpt / "controller.msgpack"
+    meta = unpackb(ctl.read_bytes())
+    meta["partitions"] = {5: meta["partitions"]["p"]}
+    data = packb(meta)
+    ctl.write_bytes(data)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["controller"].update(size=len(data), crc32=fmt.checksum(data))
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    tq.kv_put("b", "p", {"x": torch.zeros(3)})
+    before = tq.kv_list()
+
+    def loads():
+        return [u["ops"].get("LOAD_CHECKPOINT", {}).get("count", 0)
+                for u in tq.get_client().stats()["units"]]
+    loads_before = loads()
+    with pytest.raises(DumpFormatError) as ei:
+        tq.load_checkpoint(ckpt)
+    assert str(ctl) in str(ei.value) and "partition id int 5" in str(ei.value)
+    assert tq.kv_list() == before
+    assert tq.kv_batch_get(["a", "b"], "p")["x"].tolist() == [[1.0] * 3, [0.0] * 3]
+    assert loads() == loads_before  # no unit was asked to stage anything
+
+
 def test_unit_count_mismatch(shared, tmp_path, tq_start):
     """Runs last: it replaces the shared deployment with a 2-unit one."""
     tq.kv_put("a", "p", {"x": torch.ones(2)})

@@ -259,7 +259,8 @@ def test_kv_clear_idempotent(pid):
     assert sorted(tq.kv_list(pid)[pid]) == ["b", "c"]
     tq.kv_clear(["a"], pid)
     tq.kv_clear(["x"], pid + "-unknown")
-    tq.kv_clear([], pid)
+    with pytest.raises(ValueError, match="kv_clear.*keys.*empty list"):
+        tq.kv_clear([], pid)  # as in TransferQueue
     tq.kv_clear("b", pid)
     assert list(tq.kv_list(pid)[pid]) == ["c"]
     with pytest.raises(KeysNotFoundError):
@@ -371,7 +372,7 @@ def test_bad_key_types_in_other_calls(seeded):
         tq.kv_batch_get(["a", 2], seeded)
     with pytest.raises(ValueError, match="duplicate"):
         tq.kv_batch_get(["a", "a"], seeded)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="partition_id"):  # the right type, a wrong value
         tq.kv_put("a", "", {"x": torch.zeros(3)})
     with pytest.raises(TypeError):
         tq.kv_put("a", seeded, {"x": torch.zeros(3)}, tag=["not", "a", "dict"])

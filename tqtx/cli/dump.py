@@ -42,15 +42,37 @@ def _refuse_not_a_dump(dump_dir, as_json, verify_report: bool = False) -> None:
     sys.exit(NOT_A_DUMP_EXIT)
 
 
-def _read_dump(reader, dump_dir, as_json):
-    """Run ``reader(dump_dir)``; an unreadable dump prints the error and exits 1."""
+def _manifest(dump_dir) -> dict | None:
+    """The dump's manifest as plain JSON, or None if even that cannot be read."""
+    from ..format import MANIFEST
+    try:
+        with open(os.path.join(dump_dir, MANIFEST)) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _read_dump(reader, dump_dir, as_json, *, partial: bool = False):
+    """Run ``reader(dump_dir)``; an unreadable dump prints the error and exits 1. With
+    ``partial`` (inspect), what its manifest says is printed first, when it can be read."""
     from ..errors import DumpFormatError
     try:
         return reader(dump_dir)
     except (DumpFormatError, OSError) as exc:
+        manifest = _manifest(dump_dir) if partial else None
         if as_json:
-            click.echo(json.dumps({"ok": False, "error": str(exc)}))
+            out = {"ok": False, "error": str(exc)}
+            if manifest is not None:
+                out["manifest"] = manifest
+            click.echo(json.dumps(out, default=str))
         else:
+            if manifest is not None:
+                click.echo(f"dump {dump_dir} (damaged; what its manifest says:)")
+                for k in ("partition_id", "dump_id", "format_version", "created_at", "keys",
+                          "rows_with_data", "bytes"):
+                    if k in manifest:
+                        click.echo(f"  {k}: {manifest[k]}")
             click.echo(f"error: {exc}", err=True)
         sys.exit(1)
 
@@ -62,7 +84,7 @@ def inspect(dump_dir, as_json):
     """Summarize a dump: partition, keys, fields, shards, sample tags (reads no payload)."""
     from ..format import inspect_dump
     _refuse_not_a_dump(dump_dir, as_json)
-    info = _read_dump(inspect_dump, dump_dir, as_json)
+    info = _read_dump(inspect_dump, dump_dir, as_json, partial=True)
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return

@@ -15,9 +15,13 @@ from pathlib import Path
 
 import click
 from filelock import FileLock, Timeout
+from sqlalchemy.exc import DatabaseError
 
+from ..journal.base import open_error
 from ..journal.meta import buffer_summary
-from ..journal.migrate import CONTROLLER, DUMP, head_revision, migrate
+from ..errors import TqtxError
+from ..journal.migrate import CONTROLLER, DUMP, HEADS, head_revision, migrate
+from ..journal.migrate import _stamped_revision as stamped_revision
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import (
     JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, default_state_dir,
@@ -64,24 +68,70 @@ def _require(path: Path) -> None:
         sys.exit(1)
 
 
-def _ro_publications(dump_dir: str, limit: int | None) -> list[dict]:
-    """Publications of a dump journal, read-only (never creates or migrates it)."""
+def _ro_publications(dump_dir: str, limit: int | None, unreadable: list) -> list[dict]:
+    """Publications of a dump journal, read-only (never creates or migrates it). A dump
+    without a journal has none; one that cannot be read is added to ``unreadable``."""
     path = dump_journal_path(dump_dir)
     if not path.exists():
         return []
     try:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-    except sqlite3.Error:
+    except sqlite3.Error as exc:
+        unreadable.append({"journal": str(path), "error": f"{type(exc).__name__}: {exc}"})
         return []
     try:
         con.row_factory = sqlite3.Row
         sql = "SELECT * FROM publications ORDER BY created_at DESC, attempt_id"
         rows = [dict(r) for r in con.execute(sql + (f" LIMIT {int(limit)}" if limit else ""))]
-    except sqlite3.Error:
+    except sqlite3.Error as exc:
+        unreadable.append({"journal": str(path), "error": f"{type(exc).__name__}: {exc}"})
         return []
     finally:
         con.close()
     return [dict({k: r.get(k) for k in PUBLICATION_KEYS}, dump_dir=str(dump_dir)) for r in rows]
+
+
+def controller_status(state_dir: Path, incarnations: list[dict]) -> dict:
+    """Whether a controller runs on ``state_dir`` (it holds ``controller.lock`` for its whole
+    life) and the newest incarnation the journal records: ``{"running": True | False |
+    None (cannot tell), "incarnation", "pid", "host", "address", "ended_at"}``."""
+    newest = incarnations[0] if incarnations else {}
+    out = {k: newest.get(k) for k in ("pid", "host", "address", "ended_at")}
+    out["incarnation"] = newest.get("id")
+    lock = FileLock(os.fspath(controller_lock_path(state_dir)), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        out["running"] = True
+    except OSError:  # a read-only state dir: the lock file cannot even be opened
+        out["running"] = None
+    else:
+        lock.release()
+        out["running"] = False
+    return out
+
+
+def _reader(cls, target: Path, path: Path | None):
+    """The journal opened read-only: a reader never waits for the writer's lock (a live
+    controller mid-write). One at an older revision is upgraded first, as before."""
+    kwargs = {"path": path} if cls is DumpJournal else {}
+    j = cls(target, readonly=True, **kwargs)
+    try:
+        if cls is DumpJournal:
+            stamp = j._plain.stamp()
+        else:
+            with j.engine.connect() as conn:
+                stamp = stamped_revision(conn)
+    except (sqlite3.Error, DatabaseError) as exc:
+        j.close()
+        raise open_error(exc, j.path, j._chain, j._damaged) from None
+    except BaseException:
+        j.close()
+        raise
+    if stamp == HEADS[j._chain]:
+        return j
+    j.close()
+    return cls(target, **kwargs)
 
 
 def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
@@ -90,7 +140,7 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
     """The ``journal show --json`` object for an existing journal (a dump journal at
     ``path`` if given, e.g. one kept in a state dir for a read-only dump)."""
     if kind == CONTROLLER:
-        with ControllerJournal(target) as j:
+        with _reader(ControllerJournal, target, path) as j:
             restores = j.list_restores(state=state, restore_id=restore_id, limit=limit)
             dumps = j.list_dumps(limit)
             report = {
@@ -104,10 +154,14 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
                 "buffer": buffer_summary(j.engine),
             }
             dirs = dict.fromkeys([d["dump_dir"] for d in dumps] + [r["dump_dir"] for r in restores])
+        unreadable: list[dict] = []
         for d in dirs:
-            report["publications"].extend(_ro_publications(d, limit))
+            report["publications"].extend(_ro_publications(d, limit, unreadable))
+        report["controller"] = controller_status(target, report["incarnations"][:1])
+        if unreadable:
+            report["unreadable"] = unreadable
         return report
-    with DumpJournal(target, path=path) as j:
+    with _reader(DumpJournal, target, path) as j:
         restores = []
         for r in j.list_restores(state=state, restore_id=restore_id, limit=limit):
             final = r["state"] in DUMP_RESTORE_FINAL
@@ -227,12 +281,39 @@ def show(dump_dir, state_dir, as_json, restore_id, state, limit, layout) -> None
     """Show a controller journal (or the journal of DUMP_DIR)."""
     kind, target, path = _target(dump_dir, state_dir)
     _require(path)
-    report = journal_report(kind, target, restore_id=restore_id, state=state, limit=limit,
-                            path=path)
+    try:
+        report = journal_report(kind, target, restore_id=restore_id, state=state, limit=limit,
+                                path=path)
+    except (TqtxError, OSError, sqlite3.Error, DatabaseError) as exc:
+        error = f"cannot read the {kind} journal {path}: {exc}"
+        if as_json:
+            click.echo(json.dumps({"journal": str(path), "kind": kind, "error": error}))
+        else:
+            click.echo(f"error: {error}", err=True)
+        sys.exit(1)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         print_report(report, layout)
+        _echo_controller(report.get("controller"))
+    for bad in report.get("unreadable", []):
+        click.echo(f"error: cannot read the dump journal {bad['journal']}: {bad['error']}",
+                   err=True)
+    if report.get("unreadable"):
+        sys.exit(1)
+
+
+def _echo_controller(status: dict | None) -> None:
+    """The ``running controller`` block of ``journal show`` (one ``field: value`` a line)."""
+    if not status or status.get("incarnation") is None:
+        return
+    running = {True: "yes", False: "no", None: "cannot tell (read-only state dir)"}
+    click.echo("\nrunning controller")
+    click.echo(f"  running:     {running[status['running']]}")
+    click.echo(f"  incarnation: {status['incarnation']} (pid {status.get('pid')} on "
+               f"{status.get('host')} at {status.get('address')})")
+    if status["running"] is False and not status.get("ended_at"):
+        click.echo("  note:        did not end cleanly; the next controller replays the journal")
 
 
 def _echo_actions(actions: list[dict], as_json: bool, extra: dict) -> None:

@@ -2,16 +2,77 @@
 timestamp. The journals themselves are in :mod:`tqtx.journal.store`."""
 from __future__ import annotations
 
+import errno
+import os
+import sqlite3
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import DBAPIError, DatabaseError
 from sqlalchemy.orm import Session
 
+from ..errors import JournalWriteError
 from .migrate import current_revision, make_engine, upgrade_engine
+
+# SQLite's primary result codes that mean the file system refused a write, as errnos.
+_SQLITE_ERRNO = {13: errno.ENOSPC,   # SQLITE_FULL
+                 10: errno.EIO,      # SQLITE_IOERR (every SQLITE_IOERR_* extended code)
+                 8: errno.EROFS,     # SQLITE_READONLY
+                 3: errno.EACCES,    # SQLITE_PERM
+                 14: errno.ENOENT}   # SQLITE_CANTOPEN
+# The same by message, for a driver error without sqlite_errorcode (Python < 3.11).
+_SQLITE_TEXT = {"database or disk is full": errno.ENOSPC, "disk I/O error": errno.EIO,
+                "attempt to write a readonly database": errno.EROFS,
+                "unable to open database file": errno.ENOENT}
+
+
+def journal_write_error(exc: BaseException, path) -> JournalWriteError | None:
+    """``exc`` (a sqlite3 or SQLAlchemy error) as a JournalWriteError naming ``path`` when it
+    says the file system failed the journal (full disk, I/O error, read-only ...), else
+    None: a damaged file, a constraint or a busy lock are other errors."""
+    orig = getattr(exc, "orig", exc)
+    if not isinstance(orig, sqlite3.Error):
+        return None
+    code = getattr(orig, "sqlite_errorcode", None)
+    number = _SQLITE_ERRNO.get(code & 0xFF) if isinstance(code, int) else None
+    if number is None:
+        number = next((n for text, n in _SQLITE_TEXT.items() if text in str(orig)), None)
+    if number is None:
+        return None
+    return JournalWriteError(number, f"{os.strerror(number)} (writing the journal: "
+                                     f"SQLite: {orig})", os.fspath(path))
+
+
+def open_error(exc: BaseException, path, chain: str, damaged) -> Exception:
+    """What failing to open the journal at ``path`` means: a full disk (JournalWriteError),
+    another process holding its lock past the busy timeout (JournalBusyError), else a
+    damaged file (``damaged(message)``)."""
+    full = journal_write_error(exc, path)
+    if full is not None:
+        return full
+    text = str(getattr(exc, "orig", None) or exc)
+    if "locked" in text or "busy" in text:
+        from ..errors import JournalBusyError
+        return JournalBusyError(f"{path}: the {chain} journal stayed locked by another "
+                                f"process ({text}): a live controller in a long write, or a "
+                                f"stuck one; the file itself is not damaged")
+    return damaged(_damage(path, chain, exc))
+
+
+@contextmanager
+def journal_writes(path) -> Iterator[None]:
+    """Raise a failed write to the journal at ``path`` as a JournalWriteError (errno and
+    path, an OSError); other errors pass unchanged."""
+    try:
+        yield
+    except (sqlite3.Error, DBAPIError) as exc:
+        err = journal_write_error(exc, path)
+        if err is None:
+            raise
+        raise err from None
 
 
 def utcnow() -> str:
@@ -31,15 +92,15 @@ class _Journal:
     _chain = ""
     _wal = True
 
-    def _open(self, path: Path, migrate: bool) -> None:
+    def _open(self, path: Path, migrate: bool, readonly: bool = False) -> None:
         self.path = path
-        self._engine = make_engine(path, wal=self._wal)
-        if migrate:
+        self._engine = make_engine(path, wal=self._wal, readonly=readonly)
+        if migrate and not readonly:
             try:
                 upgrade_engine(self._engine, path, self._chain)
             except DatabaseError as exc:
                 self._engine.dispose()
-                raise self._damaged(_damage(path, self._chain, exc)) from None
+                raise open_error(exc, path, self._chain, self._damaged) from None
 
     @staticmethod
     def _damaged(message: str) -> Exception:
@@ -51,7 +112,7 @@ class _Journal:
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
-        with Session(self._engine, expire_on_commit=False) as s:
+        with journal_writes(self.path), Session(self._engine, expire_on_commit=False) as s:
             with s.begin():
                 yield s
 
@@ -59,7 +120,7 @@ class _Journal:
     def _sql(self):
         """One BEGIN IMMEDIATE transaction in plain SQL (the dump path's calls: no ORM
         session or statement compilation, several times cheaper per call)."""
-        with self._engine.begin() as conn:
+        with journal_writes(self.path), self._engine.begin() as conn:
             yield conn.exec_driver_sql
 
     def revision(self) -> str | None:

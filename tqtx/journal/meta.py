@@ -13,6 +13,7 @@ schema (migrations ``c0003``, ``c0004``) and the ORM models describe it.
 from __future__ import annotations
 
 import json
+import sqlite3
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable
@@ -20,6 +21,7 @@ from typing import Callable, Iterable
 from sqlalchemy import Engine
 
 from ..wire import codec
+from .base import journal_writes
 
 DURABILITY = ("full", "normal", "off")
 # SQLite's synchronous level per durability setting. WAL + NORMAL: a commit survives the
@@ -150,6 +152,7 @@ class MetaJournal:
 
     def __init__(self, engine: Engine, durability: str = "full"):
         self.durability = check_durability(durability)
+        self.path = engine.url.database  # named by a failed write's JournalWriteError
         self._pooled = engine.raw_connection()
         self._db = self._pooled.dbapi_connection
         self.transactions = 0
@@ -169,14 +172,23 @@ class MetaJournal:
             self._write(change)
 
     def _write(self, change: MetaChange) -> None:
+        """One transaction. A write the file system fails (a full disk) is a
+        JournalWriteError naming the journal; the transaction is rolled back either way
+        (SQLite may have done so itself), so the next write starts clean once the cause
+        is gone."""
         db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            apply_change(db.executemany, change)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+        with journal_writes(self.path):
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                apply_change(db.executemany, change)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    try:
+                        db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass  # the error that got us here is the one to report
+                raise
         self.transactions += 1
 
     def load(self) -> dict:

@@ -31,33 +31,45 @@ BUSY_TIMEOUT_MS = 30000
 # --------------------------------------------------------------------------- engine
 
 
-def make_engine(path: str | os.PathLike, *, wal: bool) -> Engine:
+def make_engine(path: str | os.PathLike, *, wal: bool, readonly: bool = False) -> Engine:
     """SQLite engine whose connections set the journal pragmas and begin with BEGIN IMMEDIATE.
 
     Pragmas: ``busy_timeout=30000``, ``journal_mode=WAL`` (``PERSIST`` when ``wal`` is false:
     a rollback journal, safe on network filesystems, whose file is kept and zeroed rather
     than deleted at each commit -- ~10x cheaper than DELETE on this disk),
     ``synchronous=FULL``, ``foreign_keys=ON``.
+
+    ``readonly`` (readers such as ``tqtx journal show``): the file is opened read-only, its
+    journal mode is left as it is and transactions are plain (deferred) BEGINs, so a reader
+    never waits for a writer holding the write lock (a live controller mid-write).
     """
-    engine = create_engine(URL.create("sqlite", database=os.fspath(path)))
+    if readonly:
+        url = URL.create("sqlite", database=f"file:{os.fspath(path)}?mode=ro",
+                         query={"uri": "true"})
+    else:
+        url = URL.create("sqlite", database=os.fspath(path))
+    engine = create_engine(url)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
-        _configure(dbapi_conn, wal)
+        _configure(dbapi_conn, wal, readonly=readonly)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
 
     return engine
 
 
-def _configure(dbapi_conn, wal: bool) -> None:
+def _configure(dbapi_conn, wal: bool, *, readonly: bool = False) -> None:
     # pysqlite recipe: stop the driver from issuing its own BEGIN, so BEGIN IMMEDIATE (the
     # engine's "begin" event, or PlainConnection.transaction) starts every transaction.
     dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    if readonly:  # the writers set the journal mode; a reader changes nothing
+        cur.close()
+        return
     _set_journal_mode(cur, "WAL" if wal else "PERSIST")
     cur.execute("PRAGMA synchronous=FULL")
     cur.execute("PRAGMA foreign_keys=ON")
@@ -87,12 +99,14 @@ class PlainConnection:
     calls are a few small statements each; usable from any thread, one transaction at a
     time. Driver errors are raised as SQLAlchemy's (what callers of the engine catch)."""
 
-    def __init__(self, path: str | os.PathLike, *, wal: bool):
+    def __init__(self, path: str | os.PathLike, *, wal: bool, readonly: bool = False):
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(os.fspath(path), timeout=BUSY_TIMEOUT_MS / 1000,
-                                     check_same_thread=False)
+        self._begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"
+        target = f"file:{os.fspath(path)}?mode=ro" if readonly else os.fspath(path)
+        self._conn = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000,
+                                     check_same_thread=False, uri=readonly)
         try:
-            _configure(self._conn, wal)
+            _configure(self._conn, wal, readonly=readonly)
         except BaseException:
             self._conn.close()
             raise
@@ -112,7 +126,7 @@ class PlainConnection:
         with self._lock:
             if self._conn is None:
                 raise RuntimeError("journal connection is closed")
-            self.run("BEGIN IMMEDIATE")
+            self.run(self._begin)
             try:
                 yield self.run
                 self.run("COMMIT")
@@ -297,14 +311,14 @@ def migrate(db_path: str | os.PathLike, chain: str, revision: str = "head"
 
 
 def open_plain(path: str | os.PathLike, chain: str, *, wal: bool,
-               upgrade: bool = True) -> PlainConnection:
+               upgrade: bool = True, readonly: bool = False) -> PlainConnection:
     """A :class:`PlainConnection` to the journal ``path``; with ``upgrade`` the file is first
     brought to the head of ``chain`` (:func:`migrate`) unless its stamp, read on every open
     (one statement: a file replaced since the last open is checked like any other), is
     already the head."""
-    conn = PlainConnection(path, wal=wal)
+    conn = PlainConnection(path, wal=wal, readonly=readonly)
     try:
-        if upgrade and conn.stamp() != HEADS[chain] and not create_head_plain(conn, chain):
+        if upgrade and not readonly and conn.stamp() != HEADS[chain] and not create_head_plain(conn, chain):
             migrate(path, chain)
     except BaseException:
         conn.close()

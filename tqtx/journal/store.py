@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from sqlalchemy.exc import DatabaseError
 from .. import states as st
 from ..paths import controller_journal_path, records_location
 from ..states import IllegalTransition, check
-from .base import _damage, _Journal, utcnow
+from .base import _Journal, journal_writes, open_error, utcnow
 from .meta import apply_change
 from .migrate import CONTROLLER, DUMP, make_engine, open_plain
 from .models import Dump, Incarnation, RecoveryEvent
@@ -91,10 +92,14 @@ class ControllerJournal(_Journal):
     _chain = CONTROLLER
     _wal = True
 
-    def __init__(self, state_dir: str | os.PathLike, *, migrate: bool = True):
+    def __init__(self, state_dir: str | os.PathLike, *, migrate: bool = True,
+                 readonly: bool = False):
+        """``readonly``: read an existing journal without waiting for its writer (never
+        creates, migrates or writes it; ``tqtx journal show``)."""
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._open(controller_journal_path(self.state_dir), migrate)
+        if not readonly:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._open(controller_journal_path(self.state_dir), migrate, readonly)
 
     # incarnations -------------------------------------------------------------------
 
@@ -268,7 +273,7 @@ class ControllerJournal(_Journal):
         """
         if outcome not in st.RESTORE_FINAL:
             raise IllegalTransition(f"restore {restore_id!r}: {outcome!r} is not a final state")
-        with self._engine.begin() as conn:
+        with journal_writes(self.path), self._engine.begin() as conn:
             run = conn.exec_driver_sql
             r = self._restore(run, restore_id)
             if not check(st.RESTORE, r["state"], outcome, subject=f"restore {restore_id!r}",
@@ -374,35 +379,42 @@ class DumpJournal(_Journal):
         return DumpFormatError(message)
 
     def __init__(self, dump_dir: str | os.PathLike, *, migrate: bool = True,
-                 state_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None):
+                 state_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
+                 readonly: bool = False):
         """Open (creating) the journal of ``dump_dir``: ``path`` if given, else where
         :func:`tqtx.paths.records_location` puts it (beside the dump, or in ``state_dir``
-        for a dump on read-only storage)."""
+        for a dump on read-only storage). ``readonly``: an existing journal, read without
+        waiting for a writer (never created, migrated or written)."""
         self.dump_dir = Path(os.path.abspath(os.fspath(dump_dir)))
         journal = Path(path) if path is not None else records_location(self.dump_dir,
                                                                         state_dir)[1]
-        journal.parent.mkdir(parents=True, exist_ok=True)
-        self._open(journal, migrate)
+        if not readonly:
+            journal.parent.mkdir(parents=True, exist_ok=True)
+        self._open(journal, migrate, readonly)
 
     # A dump makes ~8 small transactions on its journal: they run on one plain sqlite3
     # connection (SQLAlchemy's layers cost several times the statements). An engine is
     # made only for callers of .engine.
 
-    def _open(self, path: Path, migrate: bool) -> None:
+    def _open(self, path: Path, migrate: bool, readonly: bool = False) -> None:
         self.path, self._engine, self._plain = path, None, None
+        self._readonly = readonly
         try:
-            self._plain = open_plain(path, self._chain, wal=self._wal, upgrade=migrate)
+            self._plain = open_plain(path, self._chain, wal=self._wal, upgrade=migrate,
+                                     readonly=readonly)
         except (sqlite3.DatabaseError, DatabaseError) as exc:
-            raise self._damaged(_damage(path, self._chain, exc)) from None
+            raise open_error(exc, path, self._chain, self._damaged) from None
 
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = make_engine(self.path, wal=self._wal)
+            self._engine = make_engine(self.path, wal=self._wal, readonly=self._readonly)
         return self._engine
 
+    @contextmanager
     def _sql(self):
-        return self._plain.transaction()
+        with journal_writes(self.path), self._plain.transaction() as run:
+            yield run
 
     def close(self) -> None:
         """Close the connection (and the engine's pool, if one was made)."""

@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 from ..errors import (ControllerRecoveringError, DumpFormatError, DumpNotFoundError,
-                      FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, RemoteError, RestorePendingError, RowsLostError,
+                      FieldsNotFoundError, JournalWriteError, KeysNotFoundError,
+                      PartitionNotFoundError, RemoteError, RestorePendingError, RowsLostError,
                       SchemaConflictError, StaleRowsError)
 
 
@@ -28,6 +29,10 @@ def error_payload(exc: BaseException) -> dict:
         message = str(exc)
     if isinstance(exc, DumpNotFoundError) and exc.filename is not None:
         data = {"filename": exc.filename}
+    elif isinstance(exc, OSError) and exc.errno is not None:
+        # the caller gets the same errno, text and path (a full disk names its file)
+        data = {"errno": exc.errno, "strerror": exc.strerror,
+                "filename": None if exc.filename is None else str(exc.filename)}
     return {"type": kind, "message": message, "data": data}
 
 
@@ -40,7 +45,8 @@ _BUILTIN = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyErr
             "PartitionNotFoundError": PartitionNotFoundError,
             "SchemaConflictError": SchemaConflictError,
             "IllegalTransition": RuntimeError, "InjectedFault": RuntimeError,
-            "ControllerRecoveringError": ControllerRecoveringError}
+            "ControllerRecoveringError": ControllerRecoveringError,
+            "JournalWriteError": JournalWriteError, "IsADirectoryError": IsADirectoryError}
 
 
 def raise_remote(err: dict, peer: str):
@@ -61,6 +67,14 @@ def raise_remote(err: dict, peer: str):
     if kind == "DumpNotFoundError":
         raise DumpNotFoundError(message, data.get("filename"))
     cls = _BUILTIN.get(kind)
+    if cls is not None and issubclass(cls, OSError) and data.get("errno") is not None:
+        args = [data["errno"], data.get("strerror") or message]
+        if data.get("filename") is not None:
+            args.append(data["filename"])
+        raise cls(*args)
     if cls is not None:
         raise cls(message)
+    if data.get("errno") is not None:  # another OSError subclass: an OSError still
+        raise OSError(data["errno"], f"{peer}: {kind}: {data.get('strerror') or message}",
+                      *([data["filename"]] if data.get("filename") is not None else []))
     raise RemoteError(f"{peer}: {kind}: {message}")

@@ -146,16 +146,25 @@ class Peer:
     def gone(self) -> str | None:
         """Why the server cannot answer the last request sent, or None if it still may:
         its process exited (``liveness``), its connection closed after the request was
-        sent, or no connection was made within ``connect_timeout`` of sending it."""
+        sent, or no connection was made within ``connect_timeout`` of sending it.
+
+        ``liveness`` (the process this client started at that address) is asked only
+        while no connection is up: a server that took over the address (a controller
+        restarted by hand on the same state dir and port) answers requests sent to it,
+        whatever became of the process that was there first."""
+        if self.socket is not None:
+            self._link_events()
+            if self._lost:
+                return ((self.liveness() if self.liveness is not None else None)
+                        or "its connection closed: the process exited or restarted")
+            if self.connected:
+                return None
         if self.liveness is not None:
             why = self.liveness()
             if why:
                 return why
         if self.socket is None:
             return None
-        self._link_events()
-        if self._lost:
-            return "its connection closed: the process exited or restarted"
         if (not self.connected and self.connect_timeout is not None
                 and time.monotonic() - self._sent_at > self.connect_timeout):
             keys = ", or it refused our keys" if self.curve is not None else ""

@@ -20,6 +20,7 @@ import zmq
 
 from .. import faults
 from ..errors import ControllerRecoveringError, RestorePendingError, StaleRowsError
+from ..logutil import Throttle, log_throttled
 from ..metrics import Metrics, frames_nbytes
 from .codec import CodecError, decode, encode
 from .errors import error_payload
@@ -30,6 +31,8 @@ log = logging.getLogger("tqtx.rpc")
 DEFAULT_TIMEOUT = float(os.environ.get("TQTX_TIMEOUT", "300"))
 _REPLY_CACHE_SIZE = 4096
 _REPLY_SLOT_BYTES = 256  # a mutating request's usual reply header is 60-120 bytes
+# A request failing with the same OSError (a full disk) is logged once per this many s.
+IO_ERROR_LOG_EVERY = float(os.environ.get("TQTX_IO_ERROR_LOG_EVERY", "60"))
 
 
 class ReplyCache:
@@ -145,6 +148,7 @@ class Server:
         self.metrics = Metrics(role, int(suffix) if suffix.isdigit() else None)
         self.op_labels: dict[str, Callable[[dict], str]] = {}  # op -> metrics label from body
         self._timing: list | None = None
+        self._io_errors = Throttle(every=IO_ERROR_LOG_EVERY)
 
     def add(self, op: str, fn: Callable, *, mutating: bool = False) -> None:
         self.handlers[op] = (fn, mutating)
@@ -293,8 +297,14 @@ class Server:
             if timing is not None:
                 self._record(timing, None, False)
         except Exception as exc:  # every failure becomes an error reply; the loop keeps serving
-            if not isinstance(exc, (ValueError, TypeError, KeyError, RestorePendingError,
-                                    ControllerRecoveringError, StaleRowsError)):
+            if isinstance(exc, OSError) and exc.errno is not None:
+                # the disk, not the code: one line (a full disk fails every put; its
+                # traceback each time would fill the log, on that same disk, too)
+                log_throttled(log, self._io_errors, (op, type(exc).__name__, exc.errno),
+                              logging.ERROR, "%s: %s failed%s: %s: %s", self.name, op,
+                              _ids(body), type(exc).__name__, exc)
+            elif not isinstance(exc, (ValueError, TypeError, KeyError, RestorePendingError,
+                                      ControllerRecoveringError, StaleRowsError)):
                 log.exception("%s: %s failed%s", self.name, op, _ids(body))
             self._finish(ident, rid, op, False, None, exc, timing)
 
