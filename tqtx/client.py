@@ -303,8 +303,9 @@ class Client:
 
     # ---------------------------------------------------------------- kv
     def put_columns(self, keys: list[str], pid: str, columns: dict[str, list],
-                    schemas: dict[str, dict], tags: list | None) -> list[str]:
-        """Store rows (columns of per-row values) for ``keys``; returns the common fields.
+                    schemas: dict[str, dict], tags: list | None, *, with_tags: bool = False):
+        """Store rows (columns of per-row values) for ``keys``; returns the common fields
+        (``with_tags``: and the keys' tags as stored now, ``(fields, tags)``).
 
         ALLOC, PUT_ROWS to the units, COMMIT_PUT. If the controller goes away during the
         put, it is waited for (:meth:`await_controller`): the same controller is asked
@@ -313,11 +314,11 @@ class Client:
         put. Unit and validation errors are never retried."""
         what = f"putting {len(keys)} key(s) in partition {pid!r}"
         try:
-            return self._put_once(keys, pid, columns, schemas, tags, what)
+            return self._put_once(keys, pid, columns, schemas, tags, what, with_tags)
         except _ControllerRestarted:
             pass
         try:
-            return self._put_once(keys, pid, columns, schemas, tags, what)
+            return self._put_once(keys, pid, columns, schemas, tags, what, with_tags)
         except _ControllerRestarted:
             raise PeerDiedError(
                 f"the controller at {self.address} restarted twice while {what}; none of "
@@ -338,7 +339,7 @@ class Client:
         except _CONTROLLER_LOST:
             raise _ControllerRestarted(op) from None
 
-    def _put_once(self, keys, pid, columns, schemas, tags, what) -> list[str]:
+    def _put_once(self, keys, pid, columns, schemas, tags, what, with_tags=False):
         alloc = self._put_step("ALLOC", {"partition_id": pid, "keys": keys, "schemas": schemas},
                                self.controller_incarnation, what,
                                "none of its keys was stored or committed")
@@ -370,7 +371,8 @@ class Client:
                    "the keys again (the same put twice has the effect of one) or see kv_list")
         try:
             res = self._put_step("COMMIT_PUT", {"partition_id": pid, "keys": keys,
-                                                "fields": list(columns), "tags": tags},
+                                                "fields": list(columns), "tags": tags,
+                                                "want_tags": with_tags},
                                  incarnation, what, outcome)
         except KeyError:  # KeysNotFoundError, or the partition ALLOC created is unknown
             # Sent to a controller restarted since ALLOC (the socket reconnects by itself)?
@@ -380,7 +382,7 @@ class Client:
                 raise _ControllerRestarted("COMMIT_PUT") from None
             raise
         self.count("puts", len(keys), nbytes)
-        return res["fields"]
+        return (res["fields"], res["tags"]) if with_tags else res["fields"]
 
     def get_columns(self, keys: list[str], pid: str, select_fields=None):
         """Fetch rows in request order: returns (columns, schemas)."""

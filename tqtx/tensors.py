@@ -395,15 +395,38 @@ def assemble_column(values: list, schema: dict):
 
 
 def _transferqueue_layout(col):
-    """A column as TransferQueue 0.1.11 returns it: rows of one or more dimensions as a
-    jagged nested tensor even when their shapes agree (strided nested if that fails)."""
+    """A column as TransferQueue 0.1.11 returns it (its storage manager's packing): rows
+    of one or more dimensions as a jagged nested tensor even when their shapes agree (for
+    a dense column a view of it, no copy), 0-d rows as one dense tensor, other values as a
+    NonTensorStack; a non-tensor column whose rows are all tensors is packed like tensors."""
+    if isinstance(col, NonTensorStack):
+        rows = col.tolist()
+        if rows and all(isinstance(r, torch.Tensor) for r in rows):
+            return pack_tensor_rows(rows)
+        return col
     if not isinstance(col, torch.Tensor) or col.dim() < 2 or col.is_nested:
         return col
-    rows = list(col.unbind(0))
-    try:
-        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    except (RuntimeError, TypeError):
-        return torch.nested.as_nested_tensor(rows, layout=torch.strided)
+    n, length = col.shape[0], col.shape[1]
+    values = col.reshape(n * length, *col.shape[2:])
+    offsets = torch.arange(n + 1, dtype=torch.int64) * length
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+def pack_tensor_rows(rows: list):
+    """Per-row tensors packed as TransferQueue packs them: all 0-d stacked dense, else a
+    jagged nested tensor, else a strided one, else a NonTensorStack. Rows of different
+    dtypes stay a NonTensorStack (TransferQueue's strided fallback would convert them all
+    to the first row's dtype)."""
+    if len({r.dtype for r in rows}) > 1:
+        return NonTensorStack(*rows)
+    if all(r.dim() == 0 for r in rows):
+        return torch.stack(rows)
+    for layout in (torch.jagged, torch.strided):
+        try:
+            return torch.nested.as_nested_tensor(rows, layout=layout)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+    return NonTensorStack(*rows)
 
 
 def tensordict_from_columns(columns: dict, schemas: dict, n: int, *,

@@ -12,11 +12,14 @@ import click
 @click.option("--keys-dir", default=None,
               help="Key dir of a CURVE deployment (default $TQTX_KEYS_DIR).")
 @click.option("--json", "as_json", is_flag=True)
-def stats(address, keys_dir, as_json):
+@click.option("--lost", is_flag=True,
+              help="Also name every key whose row was lost (partition, key, unit, fields).")
+def stats(address, keys_dir, as_json, lost):
     """Per-process statistics: uptime, rows, bytes, open restores, requests by type.
 
     ``--json`` prints one object ``{"controller": {...}, "units": [...], "client": {...}}``
-    (see docs/operations.md)."""
+    (with ``--lost`` also ``"lost_keys": {partition: {key: {"unit", "fields", "tag"}}}``;
+    see docs/operations.md)."""
     from ..client import Client
     address = address or os.environ.get("TQTX_ADDRESS")
     if not address:
@@ -25,6 +28,9 @@ def stats(address, keys_dir, as_json):
     client = Client(address, timeout=30, curve=attach_curve(address, keys_dir=keys_dir))
     try:
         data = client.stats()
+        if lost:
+            data["lost_keys"] = client.call_controller("LIST", {"lost": True},
+                                                       what="listing lost keys")
     finally:
         client.close()
     if as_json:

@@ -21,6 +21,7 @@ from ..journal.meta import CHECKPOINT_LOAD, MetaChange
 from ..wire.columns import pack_int64
 from ..wire.peer import call_many
 from ..schema import check_schema_compatible
+from .lost import lost_keys
 from .metadata import EMPTY
 
 log = logging.getLogger("tqtx.controller")
@@ -100,6 +101,8 @@ class KVRequests:
         self._journal_meta("commit_put", change)
         self.meta.apply_commit(pid, updates)
         faults.hit("controller.meta.commit_put.before_reply")
+        if body.get("want_tags"):  # the stored (merged) tags, in request order
+            return {"fields": common, "tags": [updates[k][2] or {} for k in body["keys"]]}
         return {"fields": common}
 
     def lookup(self, body, req):
@@ -141,12 +144,22 @@ class KVRequests:
                 "topology": self.topology_incarnation}
 
     def list_keys(self, body, req):
-        """Visible keys (lost ones included) with their tags, per partition."""
+        """Visible keys with their tags, per partition; keys whose rows were lost are left
+        out (``lost``: only those, see :mod:`tqtx.controller.lost`)."""
         pid = body.get("partition_id")
         parts = self.meta.visible()
         if pid is not None:
             parts = [p for p in parts if p.pid == pid]
-        return {p.pid: {k: p.tags.get(k, {}) for k in p.keys} for p in parts}
+        if body.get("lost"):
+            return lost_keys(parts)
+        out = {}
+        for p in parts:
+            lost, tags = p.lost, p.tags
+            keys = {k: tags.get(k, {}) for k, i in p.keys.items() if i not in lost} \
+                if lost else {k: tags.get(k, {}) for k in p.keys}
+            if keys:
+                out[p.pid] = keys
+        return out
 
     def clear(self, body, req):
         pid = body["partition_id"]
