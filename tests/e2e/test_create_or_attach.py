@@ -137,15 +137,13 @@ def test_attached_process_is_told_the_creator_exited(tmp_path, procs, monkeypatc
         assert time.monotonic() - t0 < 30, "the creator's exit was noticed only at the timeout"
         tq.close()
         # the killed creator's record is stale: the next init creates a new deployment; its
-        # controller replays the journaled metadata, and the units came back empty, so key
-        # "a" is listed but named lost (issue 15) until it is put again or cleared
+        # controller replays the journaled metadata, but no unit kept a row (the whole job
+        # died), so the buffer starts empty, as TransferQueue's does
         cfg = tq.init({"state_dir": state})
         assert cfg["mode"] == "embedded" and cfg["owner_pid"] == os.getpid()
-        assert tq.kv_list() == {"p": {"a": {}}}
-        with pytest.raises(tq.RowsLostError, match="'a'"):
+        assert tq.kv_list() == {} and tq.list_lost_keys() == {}
+        with pytest.raises(ValueError, match="not found"):
             tq.kv_batch_get(["a"], "p")
-        tq.kv_clear(["a"], "p")
-        assert tq.kv_list() == {}
     finally:
         tq.close()
 
