@@ -78,9 +78,10 @@ def get(client, keys: list[str], pid: str, select: list[str] | None):
                 "LOOKUP", {"partition_id": pid, "keys": found, "select_fields": None,
                            "lenient": True}, what=f"looking up {len(found)} key(s)")["fields"]
             if shares_none:
+                asked = f" (select_fields {select})" if select is not None else ""
                 raise FieldsNotFoundError(
-                    f"{NOT_READY} The keys share no produced field in partition {pid!r}: "
-                    f"{found[:10]}")
+                    f"{NOT_READY} The keys share no produced field in partition "
+                    f"{pid!r}{asked}: {found[:10]}")
             return tensors.TensorDict({}, batch_size=[0])  # TransferQueue: no field, no rows
         return _assemble(columns, schemas, len(found))
     finally:
