@@ -103,6 +103,12 @@ class DataPlaneClient:
     def __getattr__(self, name):
         return getattr(self._client, name)
 
+    def __setattr__(self, name, value):  # e.g. reconnect_timeout: the Client's own
+        if name == "_client":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._client, name, value)
+
     def _call(self, op: str, body: dict, what: str):
         return self._client.call_controller(op, body, what=what)
 
