@@ -259,6 +259,25 @@ def result_buffer(nbytes: int):
     return t, t.data_ptr(), t.numpy()
 
 
+def _seqlen_args() -> set:
+    import inspect
+    return set(inspect.signature(torch.nested.nested_tensor_from_jagged).parameters) & \
+        {"min_seqlen", "max_seqlen"}
+
+
+_SEQLEN_ARGS = _seqlen_args()
+
+
+def jagged(values: torch.Tensor, offsets: torch.Tensor, lengths) -> torch.Tensor:
+    """A jagged nested tensor over ``values`` (no copy) that knows its shortest and
+    longest row, as ``torch.nested.as_nested_tensor`` makes them: without them
+    ``to_padded_tensor`` pads every row to the length of all values together."""
+    extra = {}
+    if len(lengths) and _SEQLEN_ARGS:
+        extra = {"min_seqlen": int(min(lengths)), "max_seqlen": int(max(lengths))}
+    return torch.nested.nested_tensor_from_jagged(values, offsets, **extra)
+
+
 def _from_plan(plan):
     """The column whose rows the units copied into ``plan``'s buffer: a dense tensor or a
     jagged nested tensor over that buffer, without a copy."""
@@ -268,7 +287,7 @@ def _from_plan(plan):
     values = flat.view(int(plan.lengths.sum()), *plan.rest)
     offsets = torch.zeros(len(plan.lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.from_numpy(plan.lengths), 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return jagged(values, offsets, plan.lengths)
 
 
 def _read_file_rows(values) -> None:
@@ -390,7 +409,7 @@ def assemble_column(values: list, schema: dict):
                 dst[pos:pos + nb] = np.frombuffer(v.data, dtype=np.uint8)
             pos += nb
         offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
-        return torch.nested.nested_tensor_from_jagged(flat, offsets)
+        return jagged(flat, offsets, lengths)
     return torch.nested.nested_tensor([from_raw(v) for v in values])
 
 
@@ -409,7 +428,7 @@ def _transferqueue_layout(col):
     n, length = col.shape[0], col.shape[1]
     values = col.reshape(n * length, *col.shape[2:])
     offsets = torch.arange(n + 1, dtype=torch.int64) * length
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return jagged(values, offsets, (length,) if n else ())
 
 
 def pack_tensor_rows(rows: list):
