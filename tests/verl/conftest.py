@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(items):
     for item in items:  # every test here starts real processes and imports verl: slow
         if Path(str(item.fspath)).parent == HERE:
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("verl"))
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group("verl"))
 
 
 def pytest_sessionfinish(session, exitstatus):

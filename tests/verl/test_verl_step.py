@@ -24,7 +24,8 @@ from verl_rig import (GPUs, LLM, Prompts, Replicas, RewardModel, StandInActor,  
                       Tokenizer, prompt_ids, process_pythonpath, response_ids, reward_of,
                       verl_config)
 
-pytestmark = pytest.mark.timeout(600)
+# one Ray cluster at a time on a machine: with the other Ray tests (test_ray_placement.py)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("ray")]
 PROMPTS, N = 3, 2
 
 
