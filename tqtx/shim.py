@@ -101,7 +101,7 @@ def install(target: Path | None = None) -> Path:
                         f"{dist.version} is installed in {target}. Uninstall it first "
                         f"(`pip uninstall TransferQueue`) to run on tqtx under its name")
     pkg = target / PACKAGE
-    if pkg.exists() and _ours(pkg) is None:
+    if pkg.exists() and _ours(pkg) is None and any(pkg.iterdir()):
         raise ShimError(f"refusing to install the transfer_queue shim: {pkg} exists and tqtx "
                         f"did not make it (no {MARKER}); it is not replaced")
     pkg.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 import pytest
 
 import tqtx as tq
-from tqtx import PeerDiedError, StateDirInUseError, owner
+from tqtx import PeerDiedError, StateDirInUseError, TqtxError, api, owner
 from tq_procs import alive, job_context, job_env, job_processes, race_member, wait_gone
 
 
@@ -172,6 +173,20 @@ def test_stale_owner_record_never_blocks_a_start(tmp_path, monkeypatch, what):
     finally:
         tq.close()
     assert owner.read_record(str(state)) is None
+
+
+def test_record_made_on_another_host_that_does_not_answer_is_an_error(tmp_path, monkeypatch):
+    """A shared state dir whose deployment runs on another host this one cannot reach:
+    refused, naming the host and address, rather than a second, invisible deployment."""
+    tq.close()
+    monkeypatch.delenv("TQTX_ADDRESS", raising=False)
+    state = tmp_path / "state"
+    rec = _stale_record(state, hostname="another-host", owner_pid=4242)
+    with pytest.raises(TqtxError, match=r"made on host 'another-host' \(pid 4242\) and its "
+                                        r"controller at " + re.escape(rec["address"])):
+        tq.init({"state_dir": str(state), "num_units": 1})
+    assert owner.read_record(str(state)) == rec  # left as it was
+    assert api._client is None
 
 
 def test_record_of_a_reused_pid_is_stale(tmp_path, monkeypatch):
