@@ -345,6 +345,31 @@ def test_mixed_fields_round_trip_bit_exact(tq_shared, pid, tmp_path):
     _check_mixed(pid, keys)
 
 
+def test_kinds_mixed_across_puts_survive_dump_restore_and_checkpoint(tq_shared, pid, tmp_path):
+    """TransferQueue accepts a field's tensor values in one put and non-tensor values in
+    another (the default here too); every row comes back as it was put, through a dump,
+    a restore into another partition and a checkpoint."""
+    puts = {"a": torch.tensor([[7]]), "b": NonTensorStack("text"), "c": torch.tensor([[8]])}
+    for key, value in puts.items():
+        tq.kv_batch_put([key], pid, TensorDict({"x": value}, [1]))
+
+    def check(p):
+        values = tq.kv_batch_get(["a", "b", "c"], p)["x"].tolist()
+        assert values[1] == "text" and torch.equal(values[0], torch.tensor([7]))
+        assert torch.equal(values[2], torch.tensor([8]))
+        only = tq.kv_batch_get(["a", "c"], p)["x"]  # all tensors: a jagged tensor
+        assert rows(only) == [[7], [8]]
+    check(pid)
+    tq.dump_data_by_key(tmp_path / "d", ["a", "b", "c"], pid)
+    assert fmt.verify_dump(tmp_path / "d")["ok"]
+    tq.load_data_by_key(tmp_path / "d", partition_id=pid + "-r")
+    check(pid + "-r")
+    tq.save_checkpoint(tmp_path / "ck")
+    tq.kv_clear(["a", "b", "c"], pid)
+    tq.load_checkpoint(tmp_path / "ck")
+    check(pid)
+
+
 # ---------------------------------------------------------------- 6. compat switch
 def _seed(pid):
     tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.arange(6).reshape(2, 3)}, [2]))

@@ -243,6 +243,14 @@ def test_unit_back_empty_names_lost_rows_and_a_dump_repairs_them(tq_start, tmp_p
                for i, k in enumerate(keys) if k in lost)
     n_lost = len(lost)
     assert _stats()["controller"]["lost_rows"] == n_lost
+    for extra_args in (["--json"], []):  # `tqtx stats --lost` names them too
+        out = subprocess.run([sys.executable, "-m", "tqtx", "stats", "--address", cfg["address"],
+                              "--lost", *extra_args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        if extra_args:
+            assert set(json.loads(out.stdout)["lost_keys"][PID]) == lost
+        else:
+            assert f"lost: partition {PID!r} key {sorted(lost)[0]!r} (unit 0" in out.stdout
 
     shown = _journal_show(cfg["state_dir"])
     buf = shown.get("buffer")
