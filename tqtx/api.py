@@ -410,7 +410,6 @@ def kv_list(partition_id: str | None = None) -> dict:
             for pid, keys in raw.items()}
 
 
-
 def kv_clear(keys: list[str], partition_id: str) -> None:
     """Remove keys (unknown keys and partitions are ignored); their indexes are reused."""
     if isinstance(keys, str):

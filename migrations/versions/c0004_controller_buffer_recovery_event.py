@@ -17,11 +17,13 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("recovery_events") as batch:
         batch.drop_constraint("kind", type_="check")
-        batch.create_check_constraint(op.f("ck_recovery_events_kind"), "kind IN ('restore', 'publication', 'buffer')")
+        batch.create_check_constraint(op.f("ck_recovery_events_kind"),
+                                      "kind IN ('restore', 'publication', 'buffer')")
 
 
 def downgrade() -> None:
     op.execute("DELETE FROM recovery_events WHERE kind = 'buffer'")
     with op.batch_alter_table("recovery_events") as batch:
         batch.drop_constraint("kind", type_="check")
-        batch.create_check_constraint(op.f("ck_recovery_events_kind"), "kind IN ('restore', 'publication')")
+        batch.create_check_constraint(op.f("ck_recovery_events_kind"),
+                                      "kind IN ('restore', 'publication')")

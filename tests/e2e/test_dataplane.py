@@ -186,7 +186,7 @@ def test_async_forms(pid):
     async def run():
         meta = await client.async_kv_retrieve_meta(keys=["a", "b"], partition_id=pid)
         keys = await client.async_kv_retrieve_keys(global_indexes=meta.global_indexes,
-                                                  partition_id=pid)
+                                                   partition_id=pid)
         data = await client.async_get_data(meta)
         meta = await client.async_put(data=TensorDict({"z": torch.ones(2)}, [2]), metadata=meta)
         fetched = await client.async_get_meta(data_fields=["z"], batch_size=2, partition_id=pid,

@@ -38,4 +38,3 @@ def pytest_collection_modifyitems(items):
 def pytest_sessionfinish(session, exitstatus):
     import shutil
     shutil.rmtree(SHIM_DIR, ignore_errors=True)
-

@@ -5,6 +5,7 @@ replay-buffer sample run on what was restored. The trainer code is verl's own
 ``_reissue_inflight_prompts``, ``ReplayBufferAsync.sample``); see ``trainer_proc.py``."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed: pip install --no-deps verl==0.9.1 "
-                                   "and the verl-test extra (see .ci/run)")
-from verl_rig import process_pythonpath  # noqa: E402
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed: pip install --no-deps verl==0.9.1 and the verl-test "
+                "extra (see .ci/run)", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(600)
 PROC = Path(__file__).with_name("trainer_proc.py")
@@ -28,6 +29,7 @@ def _run(phase: str, workdir: Path, env: dict) -> None:
 
 
 def test_checkpoint_in_one_process_resumes_in_another(tmp_path):
+    from verl_rig import process_pythonpath
     env = {**os.environ, "PYTHONPATH": process_pythonpath(),
            "TQTX_STATE_DIR": str(tmp_path / "state"), "TQTX_LOG_LEVEL": "WARNING"}
     env.pop("TQTX_ADDRESS", None)

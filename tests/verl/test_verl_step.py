@@ -9,20 +9,17 @@ LLM's output, the reward model and the tokenizer are stand-ins (``verl_rig``).
 """
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import tempfile
 
 import pytest
+import torch
 
-pytest.importorskip("verl", reason="verl is not installed: pip install --no-deps verl==0.9.1 "
-                                   "and the verl-test extra (see .ci/run)")
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-import transfer_queue as tq  # noqa: E402  (tqtx, through the shim)
-from verl_rig import (GPUs, LLM, Prompts, Replicas, RewardModel, StandInActor,  # noqa: E402
-                      Tokenizer, prompt_ids, process_pythonpath, response_ids, reward_of,
-                      verl_config)
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed: pip install --no-deps verl==0.9.1 and the verl-test "
+                "extra (see .ci/run)", allow_module_level=True)
+# verl, Ray and the shim's transfer_queue are imported by the tests, not at collection
 
 # one Ray cluster at a time on a machine: with the other Ray tests (test_ray_placement.py)
 pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("ray")]
@@ -32,7 +29,10 @@ PROMPTS, N = 3, 2
 @pytest.fixture(scope="module")
 def ray_job():
     """A local Ray job whose workers import ``transfer_queue`` as tqtx (the shim)."""
+    import ray
+
     import tqtx
+    from verl_rig import process_pythonpath
     tqtx.close()
     temp = tempfile.mkdtemp(prefix="tqtx-verl-ray-", dir="/tmp")  # short: Ray's socket paths
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
@@ -47,7 +47,9 @@ def ray_job():
 
 
 def _actor_group():
+    import ray
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl_rig import StandInActor
     pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
     return RayWorkerGroup(pool, RayClassWithInitArgs(cls=ray.remote(StandInActor)),
                           device_name="cpu")
@@ -58,8 +60,11 @@ def _rows(col) -> list:
 
 
 def test_ppo_trainer_step_and_worker_dispatch_run_on_tqtx(ray_job, tmp_path):
+    import transfer_queue as tq  # tqtx, through the shim
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils.debug import marked_timer
+    from verl_rig import (GPUs, LLM, Prompts, Replicas, RewardModel, Tokenizer, prompt_ids,
+                          response_ids, reward_of, verl_config)
 
     cfg = verl_config(tmp_path, mode="sync", prompts=PROMPTS, n=N)
     info = tq.init(cfg.transfer_queue)  # as verl's main_ppo does; in a Ray job: on the cluster
@@ -139,6 +144,7 @@ def test_tqbridge_dispatch_chunks_tqtx_batchmeta(ray_job, tmp_path):
     from verl.utils.transferqueue_utils import KVBatchMeta as VerlKVBatchMeta
 
     import tqtx
+    import transfer_queue as tq
     tq.init()  # attaches to (or starts) the job's deployment on Ray
     assert VerlBatchMeta is tqtx.BatchMeta and VerlKVBatchMeta is tqtx.KVBatchMeta
     keys = [f"k{i}" for i in range(5)]
