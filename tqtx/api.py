@@ -264,10 +264,8 @@ def _client_of() -> Client:
 
 
 def get_client():
-    """The process-wide client: TransferQueue's low-level client calls (``get_meta``,
-    ``put``, ``get_data``, ``kv_retrieve_meta``, ``kv_retrieve_keys``, ... and their
-    ``async_`` forms, see :mod:`tqtx.dataplane`) over tqtx's own Client, whose methods it
-    also has. Raises if :func:`init` was not called."""
+    """The process-wide client: TransferQueue's low-level client calls (:mod:`tqtx.dataplane`)
+    over tqtx's own Client, whose methods it also has. Raises if init was not called."""
     from .dataplane import client_for
     return client_for(_client_of())
 
@@ -370,19 +368,10 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     KeysNotFoundError, a field not produced for every key FieldsNotFoundError (both
     ValueErrors), uniform tensor fields come back dense. A key whose row was lost raises
     RowsLostError (a KeyError) in both modes, never left out."""
-    from . import tensors
     keys = check_keys(keys)
     check_partition(partition_id)
-    select_fields = _select_list(select_fields)
-    client = _client_of()
-    if not semantics.strict():
-        return semantics.get(client, keys, partition_id, select_fields)
-    _, columns, schemas = client.get_rows(keys, partition_id, select_fields, direct=True,
-                                          alloc=tensors.result_buffer)
-    try:
-        return tensors.tensordict_from_columns(columns, schemas, len(keys))
-    finally:
-        tensors.close_files_later(client.reply_files(columns))
+    get = semantics.get_strict if semantics.strict() else semantics.get
+    return get(_client_of(), keys, partition_id, _select_list(select_fields))
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):

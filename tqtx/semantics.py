@@ -88,6 +88,18 @@ def get(client, keys: list[str], pid: str, select: list[str] | None):
         tensors.close_files_later(client.reply_files(columns))
 
 
+def get_strict(client, keys: list[str], pid: str, select: list[str] | None):
+    """``kv_batch_get`` in strict mode: every key must exist and have every selected field
+    (KeysNotFoundError, FieldsNotFoundError); uniform tensor fields come back dense."""
+    from . import tensors
+    _, columns, schemas = client.get_rows(keys, pid, select, direct=True,
+                                          alloc=tensors.result_buffer)
+    try:
+        return tensors.tensordict_from_columns(columns, schemas, len(keys))
+    finally:
+        tensors.close_files_later(client.reply_files(columns))
+
+
 def read(client, keys: list[str], pid: str, fields: list[str]):
     """The rows of ``keys`` (every one must exist and have every field of ``fields``) with
     TransferQueue's result shapes: what its client's ``get_data`` returns."""
