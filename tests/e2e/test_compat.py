@@ -74,6 +74,35 @@ def test_signatures_accept_every_transferqueue_call(name):
         assert _accepts(_bare(twin), TQ_SIGNATURES[name])
 
 
+# TransferQueue 0.1.11 transfer_queue/client.py, TransferQueueClient (sync; the async forms
+# take the same parameters plus the socket its decorator injects)
+TQ_CLIENT_SIGNATURES = {
+    "get_meta": "(data_fields, batch_size, partition_id, mode='fetch', task_name=None, "
+                "sampling_config=None)",
+    "set_custom_meta": "(metadata)",
+    "put": "(data, metadata=None, partition_id=None, data_parser=None)",
+    "get_data": "(metadata)", "clear_partition": "(partition_id)", "clear_samples": "(metadata)",
+    "get_consumption_status": "(task_name, partition_id)",
+    "get_production_status": "(data_fields, partition_id)",
+    "check_consumption_status": "(task_name, partition_id)",
+    "check_production_status": "(data_fields, partition_id)",
+    "reset_consumption": "(partition_id, task_name=None)", "get_partition_list": "()",
+    "kv_retrieve_meta": "(keys, partition_id, create=False)",
+    "kv_retrieve_keys": "(global_indexes, partition_id)", "kv_list": "(partition_id=None)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TQ_CLIENT_SIGNATURES))
+def test_client_calls_take_transferqueues_parameters(name):
+    from tqtx.dataplane import DataPlaneClient
+    for method in (name, f"async_{name}"):
+        fn = getattr(DataPlaneClient, method)
+        sig = _bare(fn)
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+        assert _accepts(sig, TQ_CLIENT_SIGNATURES[name]), (method, sig)
+    assert inspect.iscoroutinefunction(getattr(DataPlaneClient, f"async_{name}"))
+
+
 def test_kv_batch_meta_has_transferqueue_fields_and_methods():
     import dataclasses
     assert [f.name for f in dataclasses.fields(KVBatchMeta)] == [
