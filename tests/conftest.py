@@ -25,6 +25,17 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_OWN_STATE_DIR, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _strict_mode(request, monkeypatch):
+    """Tests marked ``strict`` assert tqtx's opt-in strict mode (docs/compatibility.md):
+    they run with ``TQTX_STRICT=1``, as do the processes they start; every other test runs
+    with the default, TransferQueue's semantics."""
+    if request.node.get_closest_marker("strict") is not None:
+        monkeypatch.setenv("TQTX_STRICT", "1")
+    else:
+        monkeypatch.delenv("TQTX_STRICT", raising=False)
+
+
 @pytest.fixture
 def tq_start(tmp_path):
     """``start(num_units=2, **config)`` (re)starts this process's embedded deployment.

@@ -21,6 +21,8 @@ from tqtx import PeerDiedError, api, faults
 from tqtx.client import Client
 from tqtx.wire.peer import Peer
 
+pytestmark = pytest.mark.strict  # the tests compare dense columns
+
 
 def _batch(prefix: str, n: int = 6, base: int = 0):
     keys = [f"{prefix}{i}" for i in range(n)]

@@ -46,13 +46,18 @@ def _records(caplog):
 def test_transferqueue_default_config_is_accepted_and_logged_once(caplog):
     caplog.set_level(logging.INFO, logger="tqtx.init")
     cfg = resolve(TQ_DEFAULT)
-    assert cfg == {"num_units": 2, "metrics": {"enabled": False, "port": 0}}
+    # controller.polling_mode is get_meta's (tqtx.dataplane); the default sampler is tqtx's
+    assert cfg == {"num_units": 2, "metrics": {"enabled": False, "port": 0},
+                   "polling_mode": False}
     (rec,) = _records(caplog)
     assert rec.levelno == logging.INFO  # only known TransferQueue options were ignored
-    for key in ("controller.sampler", "controller.polling_mode",
-                "backend.SimpleStorage.total_storage_size",
+    for key in ("controller.zmq_info", "backend.SimpleStorage.total_storage_size",
                 "backend.SimpleStorage.ssd_offload.threshold_bytes", "backend.MooncakeStore"):
         assert key in rec.getMessage()
+    assert "sampler" not in rec.getMessage() and "polling_mode" not in rec.getMessage()
+    assert resolve({"controller": {"sampler": "GRPOGroupNSampler"}}) == {}
+    assert "controller.sampler='GRPOGroupNSampler'" in _records(caplog)[-1].getMessage()
+    assert _records(caplog)[-1].levelno == logging.WARNING  # tqtx samples sequentially
 
 
 def test_num_data_storage_units_is_num_units_and_mapping_configs_work(caplog):
@@ -75,12 +80,12 @@ def test_unknown_keys_in_transferqueue_config_never_raise(caplog):
     cfg = resolve({"controller": {"polling_mode": True}, "num_unit": 3, "enable": True,
                    "backend": {"storage_backend": "MooncakeStore", "MooncakeStore": {}},
                    "metrics": {"enabled": True, "port": 9100, "endpoint": "h:1"}})
-    assert cfg == {"metrics": {"enabled": True, "port": 9100}}
+    assert cfg == {"metrics": {"enabled": True, "port": 9100}, "polling_mode": True}
     (rec,) = _records(caplog)
     assert rec.levelno == logging.WARNING  # keys nobody knows, another backend
     msg = rec.getMessage()
     for key in ("num_unit", "enable", "backend.storage_backend='MooncakeStore'",
-                "metrics.endpoint", "controller.polling_mode"):
+                "metrics.endpoint"):
         assert key in msg
 
 

@@ -12,8 +12,10 @@ import functools
 import os
 import threading
 
+from . import semantics
 from .client import Client, KVBatchMeta
-from .errors import TqtxError
+from .dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
+from .errors import NotInitializedError
 from .gcpause import gc_paused
 from .validate import as_key_list, check_call, is_tensordict
 
@@ -21,17 +23,13 @@ __all__ = [
     "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
     "kv_clear", "save_checkpoint", "load_checkpoint", "dump_data_by_key", "load_data_by_key",
     "read_row_index", "recover_data_load", "list_restores", "get_client", "KVBatchMeta",
-    "get_metrics_endpoint",
+    "get_metrics_endpoint", "list_lost_keys",
 ]
 
 _lock = threading.RLock()
 _client: Client | None = None
 _deployment = None
 _config: dict | None = None
-# "tqtx" (default: strict keys, dense results) or "transferqueue" (TransferQueue's lenient
-# results; see docs/compatibility.md). Set by init's ``compat`` key.
-_compat = "tqtx"
-COMPAT_MODES = ("tqtx", "transferqueue")
 
 DEFAULTS = {"num_units": 2, "host": "127.0.0.1", "port": 0, "timeout": 300.0}
 
@@ -79,7 +77,8 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
         given = resolve(config)  # checked also when it is not used (already initialized)
         if _client is not None:
             return dict(_config)
-        _set_compat(given.pop("compat", None))
+        # TransferQueue's results by default; {"strict": True} opts into tqtx's checks
+        semantics.configure(strict=given.pop("strict", None), compat=given.pop("compat", None))
         cfg = {**DEFAULTS, **given}
         warm = cfg.get("warm_dump")  # None: only in a process that starts the deployment
         if warm not in (None, True, False):
@@ -109,6 +108,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
                              _default_state_dir)
         if placed is not None:  # placement "ray", or inside a Ray job with a deployment
             _deployment, _client, _config = placed
+            _deployment_options(cfg)
             return dict(_config)
         state_dir = os.path.abspath(cfg.get("state_dir") or os.environ.get("TQTX_STATE_DIR")
                                     or _default_state_dir())
@@ -126,9 +126,17 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
             if warm is None:
                 _warm_dump_path()  # overlaps the servers' start
             _deployment, _client, _config = _start_embedded(cfg, state_dir, num_units)
+            _deployment_options(cfg)
             return dict(_config)
         finally:
             lock.release()
+
+
+def _deployment_options(cfg: dict) -> None:
+    """The creating process tells its controller TransferQueue's ``controller.polling_mode``
+    (the other processes' configs are not applied, as in TransferQueue)."""
+    if _deployment is not None and cfg.get("polling_mode") is not None:
+        _client.controller.call("DATAPLANE_OPTIONS", {"polling_mode": cfg["polling_mode"]})
 
 
 def _warm_dump_path() -> None:
@@ -260,14 +268,6 @@ def _stop_adopted_controller(client, deployment) -> None:
                     "SHUTDOWN", client.address, deployment.state_dir)
 
 
-def _set_compat(mode) -> None:
-    global _compat
-    mode = "tqtx" if mode is None else mode
-    if mode not in COMPAT_MODES:
-        raise ValueError(f"compat must be one of {list(COMPAT_MODES)}, got {mode!r}")
-    _compat = mode
-
-
 def get_metrics_endpoint() -> str | None:
     """The controller's Prometheus endpoint ``host:port`` (unit k at port + 1 + k), or None
     when metrics export is off or tqtx is not initialized (as in TransferQueue)."""
@@ -284,11 +284,18 @@ def _refuse_data_parser(data_parser) -> None:
             "before kv_put / kv_batch_put")
 
 
-def get_client() -> Client:
-    """The process-wide client (raises if :func:`init` was not called)."""
+def _client_of() -> Client:
+    """The process-wide :class:`~tqtx.client.Client` (raises if :func:`init` was not called)."""
     if _client is None:
-        raise TqtxError("tqtx is not initialized: call tqtx.init() first")
+        raise NotInitializedError("tqtx is not initialized: call tqtx.init() first")
     return _client
+
+
+def get_client():
+    """The process-wide client: TransferQueue's low-level client calls (:mod:`tqtx.dataplane`)
+    over tqtx's own Client, whose methods it also has. Raises if init was not called."""
+    from .dataplane import client_for
+    return client_for(_client_of())
 
 
 def _deployment_handle():
@@ -303,6 +310,8 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
     check_call("kv_put", locals())
     from . import tensors
     _refuse_data_parser(data_parser)
+    if fields is None and tag is None:  # TransferQueue's check
+        raise ValueError("Please provide at least one parameter of fields or tag.")
     columns = {}
     if fields is not None:
         if hasattr(fields, "batch_size") and len(fields.batch_size) >= 1:
@@ -323,6 +332,8 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
     from . import tensors
     _refuse_data_parser(data_parser)
     keys = as_key_list(keys)
+    if fields is None and tags is None:  # TransferQueue's check
+        raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
     if tags is not None:
         tags = list(tags)
         if len(tags) != len(keys):
@@ -347,8 +358,11 @@ def _put(keys, pid, columns, tags) -> KVBatchMeta:
     wire_tags = None
     if tags is not None:
         wire_tags = [tensors.encode_object(t or {}, "tag") for t in tags]
-    fields = get_client().put_columns(keys, pid, columns, schemas, wire_tags)
-    return KVBatchMeta(keys=list(keys), tags=list(tags) if tags is not None else [{} for _ in keys],
+    fields, stored = _client_of().put_columns(keys, pid, columns,
+                                              semantics.mark_mixable(schemas), wire_tags,
+                                              with_tags=True)
+    # as TransferQueue: the keys' tags as stored now (earlier tags merged with these)
+    return KVBatchMeta(keys=list(keys), tags=[tensors.decode_object(t) for t in stored],
                        partition_id=pid, fields=fields)
 
 
@@ -364,33 +378,16 @@ def _select_list(select_fields) -> list[str] | None:
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
     """Get rows in request order as a TensorDict (dense, jagged nested, NonTensorStack).
 
-    ``keys`` and ``select_fields``: a str or a list. An unknown key raises
+    ``keys`` and ``select_fields``: a str or a list. As TransferQueue by default: unknown
+    keys and fields not produced for every key are left out, tensor fields come back
+    jagged (see :mod:`tqtx.semantics`). Strict mode: an unknown key raises
     KeysNotFoundError, a field not produced for every key FieldsNotFoundError (both
-    ValueErrors); with ``compat: "transferqueue"`` both are left out instead, and tensor
-    fields come back nested (jagged) as in TransferQueue (docs/compatibility.md). A key
-    whose row was lost raises RowsLostError (a KeyError) in both modes, never left out."""
+    ValueErrors), uniform tensor fields come back dense. A key whose row was lost raises
+    RowsLostError (a KeyError) in both modes, never left out."""
     check_call("kv_batch_get", locals())
-    from . import tensors
     keys = as_key_list(keys)
-    select_fields = _select_list(select_fields)
-    client = get_client()
-    lenient = _compat == "transferqueue"
-    found, columns, schemas = client.get_rows(keys, partition_id, select_fields,
-                                              lenient=lenient, direct=True,
-                                              alloc=tensors.result_buffer)
-    try:
-        if not lenient:
-            return tensors.tensordict_from_columns(columns, schemas, len(keys))
-        if len(found) != len(keys):
-            import logging
-            missing = sorted(set(keys) - set(found))
-            logging.getLogger("tqtx.api").warning(
-                "kv_batch_get: keys %s were not found in partition %r; they are left out",
-                missing[:20], partition_id)
-        return tensors.tensordict_from_columns(columns, schemas, len(found),
-                                               layout="transferqueue")
-    finally:
-        tensors.close_files_later(client.reply_files(columns))
+    get = semantics.get_strict if semantics.strict() else semantics.get
+    return get(_client_of(), keys, partition_id, _select_list(select_fields))
 
 
 def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):
@@ -411,10 +408,11 @@ def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields=None):
 
 
 def kv_list(partition_id: str | None = None) -> dict:
-    """``{partition_id: {key: tag}}`` for one partition or all."""
+    """``{partition_id: {key: tag}}`` for one partition or all. Keys whose rows were lost
+    are left out (:func:`list_lost_keys` names them)."""
     check_call("kv_list", locals())
     from . import tensors
-    raw = get_client().list_keys(partition_id)
+    raw = _client_of().list_keys(partition_id)
     return {pid: {k: tensors.decode_object(t) for k, t in keys.items()}
             for pid, keys in raw.items()}
 
@@ -425,7 +423,7 @@ def kv_clear(keys: list[str] | str, partition_id: str) -> None:
     TransferQueue)."""
     check_call("kv_clear", locals())
     keys = as_key_list(keys)
-    get_client().clear(keys, partition_id)
+    _client_of().clear(keys, partition_id)
     return None
 
 
@@ -439,7 +437,7 @@ def save_checkpoint(checkpoint_dir, *, include_storage: bool = True,
     in-memory SimpleStorage: without the rows a restart would lose them."""
     check_call("save_checkpoint", locals())
     from .checkpoint import save
-    return save(get_client(), os.fspath(checkpoint_dir), metadata=metadata,
+    return save(_client_of(), os.fspath(checkpoint_dir), metadata=metadata,
                 include_storage=include_storage)
 
 
@@ -451,7 +449,7 @@ def load_checkpoint(checkpoint_dir) -> dict:
     FileNotFoundError) naming it, before anything is replaced."""
     check_call("load_checkpoint", locals())
     from .checkpoint import load
-    return load(get_client(), os.fspath(checkpoint_dir))
+    return load(_client_of(), os.fspath(checkpoint_dir))
 
 
 # ---------------------------------------------------------------- selective dump / restore
@@ -460,7 +458,7 @@ def dump_data_by_key(dump_dir, keys, partition_id: str, *, via: str = "units",
     """Save exactly ``keys`` of ``partition_id`` (all their fields and tags) to ``dump_dir``."""
     check_call("dump_data_by_key", locals())
     from .dump import save
-    return save.dump_data_by_key(get_client(), os.fspath(dump_dir), keys, partition_id,
+    return save.dump_data_by_key(_client_of(), os.fspath(dump_dir), keys, partition_id,
                                  via=via, block=block)
 
 
@@ -468,7 +466,7 @@ def load_data_by_key(dump_dir, *, partition_id: str | None = None, via: str = "u
     """Merge a dump into the running system as one transaction."""
     check_call("load_data_by_key", locals())
     from .dump import load
-    return load.load_data_by_key(get_client(), os.fspath(dump_dir), partition_id=partition_id,
+    return load.load_data_by_key(_client_of(), os.fspath(dump_dir), partition_id=partition_id,
                                  via=via)
 
 
@@ -476,13 +474,13 @@ def recover_data_load(dump_dir, *, cancel: bool = False) -> bool:
     """Settle the restore recorded for ``dump_dir``: True if committed or nothing pending."""
     check_call("recover_data_load", locals())
     from .dump import load
-    return load.recover_data_load(get_client(), os.fspath(dump_dir), cancel=cancel)
+    return load.recover_data_load(_client_of(), os.fspath(dump_dir), cancel=cancel)
 
 
 def list_restores(partition_id: str | None = None) -> list[dict]:
     """Unresolved restores (with their per-unit states)."""
     check_call("list_restores", locals())
-    return get_client().controller.call("LIST_RESTORES", {"partition_id": partition_id})["restores"]
+    return _client_of().controller.call("LIST_RESTORES", {"partition_id": partition_id})["restores"]
 
 
 def read_row_index(dump_dir) -> dict:
@@ -507,6 +505,9 @@ def __getattr__(name):
     if name == "DumpHandle":
         from .dump.save import DumpHandle
         return DumpHandle
+    if name == "BatchMeta":
+        from .batchmeta import BatchMeta
+        return BatchMeta
     raise AttributeError(name)
 
 

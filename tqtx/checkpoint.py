@@ -215,6 +215,7 @@ def load(client, ckpt_dir: str) -> dict:
         recover_publications(ckpt_dir)
         if not os.path.isdir(ckpt_dir):
             raise DumpNotFoundError(f"checkpoint directory not found: {ckpt_dir}", ckpt_dir)
+        saved = _read_metadata(ckpt_dir)  # first, as TransferQueue: a dir without it is named so
         mpath = os.path.join(ckpt_dir, MANIFEST)
         manifest = _read_json(mpath, "missing (not a tqtx checkpoint)")
         version = manifest.get("format_version")
@@ -222,7 +223,6 @@ def load(client, ckpt_dir: str) -> dict:
             raise DumpFormatError(f"{mpath}: format_version {version} is not supported (this "
                                   f"tqtx reads {', '.join(map(str, READABLE_VERSIONS))}; "
                                   f"Unsupported checkpoint format version {version})")
-        saved = _read_metadata(ckpt_dir)
         if manifest["num_units"] != client.num_units:
             raise ValueError(f"unit count mismatch: checkpoint {ckpt_dir} was saved with "
                              f"{manifest['num_units']} units, this deployment has "

@@ -296,9 +296,11 @@ class Client:
 
     # ---------------------------------------------------------------- the row paths
     def put_columns(self, keys: list[str], pid: str, columns: dict[str, list],
-                    schemas: dict[str, dict], tags: list | None) -> list[str]:
-        """Store rows for ``keys``; returns the common fields (:func:`tqtx.put_path.put_columns`)."""
-        return put_path.put_columns(self, keys, pid, columns, schemas, tags)
+                    schemas: dict[str, dict], tags: list | None, *, with_tags: bool = False):
+        """Store rows for ``keys``; returns the common fields, with ``with_tags`` also the
+        keys' tags as stored now: ``(fields, tags)`` (:func:`tqtx.put_path.put_columns`)."""
+        return put_path.put_columns(self, keys, pid, columns, schemas, tags,
+                                    with_tags=with_tags)
 
     def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False,
                  direct=False, alloc=None):

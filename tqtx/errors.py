@@ -26,8 +26,9 @@ class KeysNotFoundError(KeyError, ValueError, RuntimeError):
 class RowsLostError(KeyError, TqtxError):
     """Rows of these keys were lost: the unit that held them restarted without them.
 
-    A KeyError. The keys are still listed (with their tags) so they can be produced again;
-    a put of new values, a restore of a dump holding them, or ``kv_clear`` settles them.
+    A KeyError. ``kv_list`` leaves the keys out (``tq.list_lost_keys()`` names them, with
+    their tags, so they can be produced again); a put of new values, a restore of a dump
+    holding them, or ``kv_clear`` settles them.
     Attributes: ``keys``, ``fields`` ({key: [field, ...]}), ``units`` ({key: unit}),
     ``partition_id``.
     """
@@ -46,8 +47,9 @@ class RowsLostError(KeyError, TqtxError):
         more = f" (and {len(self.keys) - 20} more)" if len(self.keys) > 20 else ""
         where = f" in partition {partition_id!r}" if partition_id is not None else ""
         self.message = (f"rows lost{where}: {', '.join(shown)}{more}: the storage unit that "
-                        f"held them restarted without them. The keys stay listed: put them "
-                        f"again, restore a dump that holds them, or kv_clear them")
+                        f"held them restarted without them. Put them again, restore a dump "
+                        f"that holds them, or kv_clear them (kv_list leaves them out; "
+                        f"tq.list_lost_keys() names them)")
         super().__init__(self.message)
 
     def __str__(self):
@@ -105,6 +107,11 @@ class SchemaConflictError(_MessageError, ValueError, RuntimeError):
     """New rows of a field do not match its schema (kind, dtype or number of dimensions).
 
     A ValueError for puts; also the RuntimeError TransferQueue raises on load."""
+
+
+class NotInitializedError(TqtxError, RuntimeError):
+    """A call that needs a deployment before ``tq.init()`` (a RuntimeError, as in
+    TransferQueue)."""
 
 
 class PeerTimeoutError(TqtxError, TimeoutError):

@@ -112,7 +112,7 @@ def check_keys(config: dict, origin: dict | None = None) -> None:
 # Every top-level key tqtx itself reads (see tqtx.api.init).
 TQTX_KEYS = {"num_units", "state_dir", "host", "port", "timeout", "address", "unit_env", "env",
              "server_key", "keys_dir", "client_key", "insecure", "metrics", "compat",
-             "durability", "warm_dump",
+             "strict", "durability", "warm_dump", "polling_mode",
              # Ray placement (tqtx.placement.ray_cluster, docs/deployment.md)
              "placement", "unit_node_resource", "ray_num_cpus", "ray_start_timeout", "ray_name"}
 
@@ -206,8 +206,18 @@ def resolve(config) -> dict:
                     ignored.extend(_leaves(f"backend.SimpleStorage.{key}", v))
     elif backend is not None:
         ignored.append("backend")
-    if "controller" in raw:
-        ignored.extend(_leaves("controller", raw["controller"]))
+    controller = raw.get("controller")
+    if isinstance(controller, dict):
+        # polling_mode: get_meta returns at once when too few samples are ready (tqtx.dataplane)
+        if controller.get("polling_mode") is not None:
+            out.setdefault("polling_mode", bool(controller["polling_mode"]))
+        sampler = controller.get("sampler")
+        rest = {k: v for k, v in controller.items() if k not in ("polling_mode", "sampler")}
+        if sampler not in (None, "SequentialSampler"):
+            unknown.append(f"controller.sampler={sampler!r} (tqtx samples sequentially)")
+        ignored.extend(_leaves("controller", rest) if rest else [])
+    elif controller is not None:
+        ignored.append("controller")
     metrics = out.get("metrics")
     if isinstance(metrics, dict) and tq_style:
         # TransferQueue writes metrics.endpoint back into its config; tqtx has no use for it

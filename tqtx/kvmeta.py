@@ -17,7 +17,7 @@ class KVBatchMeta:
     keys: list = field(default_factory=list)
     tags: list = field(default_factory=list)
     partition_id: str | None = None
-    fields: list | None = field(default_factory=list)
+    fields: list | None = None  # None: whatever the keys have (TransferQueue's default)
     extra_info: dict | None = field(default_factory=dict)
 
     def __post_init__(self):

@@ -366,8 +366,13 @@ def render_stats(data: dict, console=None) -> None:
     procs = [(name, p) for name, p in procs if not p.get("error")]
     ctl = data["controller"]
     if ctl.get("lost_rows"):
-        con.print(f"  lost rows: {ctl['lost_rows']} (listed, RowsLostError on read: put them "
+        con.print(f"  lost rows: {ctl['lost_rows']} (left out of kv_list, RowsLostError on "
+                  f"read; `tqtx stats --lost` or tq.list_lost_keys() names them: put them "
                   f"again, restore a dump holding them, or kv_clear them)")
+    for pid, keys in (data.get("lost_keys") or {}).items():
+        for key, info in keys.items():
+            con.print(f"  lost: partition {pid!r} key {key!r} (unit {info['unit']}, fields "
+                      f"{info['fields']}, tag {info['tag']})")
     for r in data["controller"].get("open_restores") or []:
         if isinstance(r, dict):
             units = ", ".join(f"unit {u}: {s}" for u, s in sorted(r.get("units", {}).items()))

@@ -224,7 +224,19 @@ def probe(rec: dict, state_dir: str, cfg: dict) -> str | None:
     try:
         topo = peer.call("TOPOLOGY", timeout=PROBE_TIMEOUT)
     except Exception as exc:
-        return f"its controller at {rec['address']} does not answer ({type(exc).__name__}: {exc})"
+        silent = f"its controller at {rec['address']} does not answer ({type(exc).__name__}: {exc})"
+        if rec.get("hostname") not in (None, socket.gethostname()):
+            # Made on another host (a shared state dir): this host cannot tell whether it
+            # lives, and a second deployment here would be invisible to that one's processes.
+            raise TqtxError(
+                f"state dir {state_dir}: its deployment was made on host {rec['hostname']!r} "
+                f"(pid {rec.get('owner_pid')}) and {silent} from this host "
+                f"({socket.gethostname()!r}); refusing to start a second deployment the job's "
+                f"other processes would not see. Attach by address (config 'address' or "
+                f"$TQTX_ADDRESS, reachable from here), use one state dir per host, or run the "
+                f"job on Ray (a bare tq.init() in a Ray job uses the cluster); if that "
+                f"deployment is gone, remove {record_path(state_dir)}") from exc
+        return silent
     finally:
         peer.close()
     if (os.path.abspath(str(topo.get("state_dir"))) != os.path.abspath(state_dir)

@@ -23,8 +23,19 @@ class _ControllerRestarted(Exception):
 
 
 def put_columns(client, keys: list[str], pid: str, columns: dict[str, list],
-                schemas: dict[str, dict], tags: list | None) -> list[str]:
-    """Store rows (columns of per-row values) for ``keys``; returns the common fields.
+                schemas: dict[str, dict], tags: list | None, *, with_tags: bool = False):
+    """Store rows (columns of per-row values) for ``keys``; returns the common fields
+    (``with_tags``: and every key's tags as stored by this put, ``(fields, tags)``)."""
+    fields, stored = _put_all(client, keys, pid, columns, schemas, tags, with_tags)
+    if not with_tags:
+        return fields
+    # A key cleared while the put ran is not stored again: it gets the tag it was given.
+    return fields, [stored.get(k, (tags[i] if tags else None) or {}) for i, k in enumerate(keys)]
+
+
+def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list, dict]:
+    """Store rows (columns of per-row values) for ``keys``: ``(common fields, {key: tag as
+    stored})`` (tags only ``with_tags``).
 
     ALLOC, PUT_ROWS to the units, COMMIT_PUT. A key's new value is visible from its
     PUT_ROWS on (that is the put's moment for it); the commit publishes new keys, new
@@ -45,18 +56,22 @@ def put_columns(client, keys: list[str], pid: str, columns: dict[str, list],
     key on any unit. A put that committed some keys and then failed raises
     PutPartlyAppliedError naming both sets."""
     what = f"putting {len(keys)} key(s) in partition {pid!r}"
+    stored: dict = {}
     todo = list(range(len(keys)))  # positions of the keys still to put
     write = None  # positions (within todo) whose rows must be written; None: all
     done: list[str] = []
     common = None
     restarted = 0
     for attempt in range(FENCE_ATTEMPTS):
-        sub_keys = [keys[i] for i in todo]
-        sub_cols = {f: [c[i] for i in todo] for f, c in columns.items()}
-        sub_tags = None if tags is None else [tags[i] for i in todo]
+        if len(todo) == len(keys):  # the whole put (no copy of its columns)
+            sub_keys, sub_cols, sub_tags = keys, columns, tags
+        else:
+            sub_keys = [keys[i] for i in todo]
+            sub_cols = {f: [c[i] for i in todo] for f, c in columns.items()}
+            sub_tags = None if tags is None else [tags[i] for i in todo]
         try:
             fields, redo, nbytes = _put_once(client, sub_keys, pid, sub_cols, schemas,
-                                             sub_tags, what, write)
+                                             sub_tags, what, write, with_tags, stored)
         except _ControllerRestarted as exc:
             restarted += 1
             if restarted == 2:
@@ -71,7 +86,7 @@ def put_columns(client, keys: list[str], pid: str, columns: dict[str, list],
         client.count("puts", len(sub_keys) - len(redo), nbytes)
         common = set(fields) if common is None else common & set(fields)
         if not redo:
-            return sorted(common)
+            return sorted(common), stored
         done += [k for j, k in enumerate(sub_keys) if j not in set(redo)]
         todo, write = [todo[j] for j in redo], None
         if attempt + 1 < FENCE_ATTEMPTS:
@@ -105,9 +120,11 @@ def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str)
         raise _ControllerRestarted(op) from None
 
 
-def _put_once(client, keys, pid, columns, schemas, tags, what, write) -> tuple:
+def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
+              stored: dict) -> tuple:
     """One ALLOC, PUT_ROWS (of the rows at positions ``write``, None: all), COMMIT_PUT;
-    returns ``(common fields, positions to redo, bytes written)``."""
+    returns ``(common fields, positions to redo, bytes written)``; with ``with_tags`` the
+    committed keys' tags go into ``stored``."""
     alloc = _put_step(client, "ALLOC", {"partition_id": pid, "keys": keys, "schemas": schemas},
                       client.controller_incarnation, what,
                       "none of its keys was stored or committed")
@@ -140,7 +157,7 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write) -> tuple:
         try:
             res = _put_step(client, "COMMIT_PUT", {"partition_id": pid, "keys": keys,
                                                    "fields": list(columns), "tags": tags,
-                                                   "gens": gens},
+                                                   "gens": gens, "want_tags": with_tags},
                             incarnation, what, outcome)
         except _ControllerRestarted as exc:
             exc.pending = {j for j, p in enumerate(pending) if p}
@@ -150,6 +167,7 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write) -> tuple:
     except BaseException:
         _abandon_put(client, pid, keys, gens)
         raise
+    stored.update(res.get("tags") or {})
     stale = set(res.get("stale") or ())
     if refused:  # a unit held a newer key at the index: the key had moved (see above)
         stale.update(k for k, i in zip(keys, indexes) if i in refused)

@@ -3,6 +3,12 @@
 A field schema is ``{"kind": "object"}`` or ``{"kind": "tensor", "dtype", "shape", "jagged",
 "ndim"}`` (``shape`` None when rows differ in shape, then ``jagged`` is True). Torch-free:
 the controller, storage units and the dump format use it.
+
+A put's schema may say ``"mixable": True`` (TransferQueue's semantics, the default): then a
+field that holds tensor values takes non-tensor values in a later put, and the reverse, as
+TransferQueue accepts them. The field becomes ``{"kind": "object", "mixed": True}``: its rows
+keep what they were put as (a bare tensor row stays one). Without the flag (strict mode,
+restores) a change of kind is a SchemaConflictError.
 """
 from __future__ import annotations
 
@@ -73,8 +79,17 @@ def infer_schema(values: list) -> dict:
 
 def check_schema_compatible(field: str, old: dict, new: dict) -> None:
     """Raise SchemaConflictError (a ValueError and a RuntimeError) if ``new`` rows of
-    ``field`` cannot join rows described by ``old``."""
-    if old["kind"] != new["kind"]:
+    ``field`` cannot join rows described by ``old`` (a change of kind is allowed when
+    ``new`` is ``mixable``; a tensor field's dtype and rank never change)."""
+    if old["kind"] != new["kind"] or old.get("mixed"):
+        if new.get("mixable"):
+            return
+        if old.get("mixed"):
+            if new["kind"] == "object":
+                return
+            raise SchemaConflictError(
+                f"field {field!r}: dtype mismatch: it holds mixed tensor and non-tensor "
+                f"values; only non-tensor values can join them here")
         raise SchemaConflictError(
             f"field {field!r}: dtype mismatch: it holds {old['kind']} values; cannot store "
             f"{new['kind']} values in it")
@@ -93,15 +108,20 @@ def merge_schema(old: dict | None, new: dict) -> dict:
     """The schema describing rows of both ``old`` (None: a new field) and ``new``.
 
     Checks nothing: call :func:`check_schema_compatible` first. Returns ``old`` itself
-    when it already covers ``new``.
+    when it already covers ``new``. Kinds that differ make a mixed object field.
     """
     if old is None:
-        return dict(new)
+        return {k: v for k, v in new.items() if k != "mixable"}
+    if old["kind"] != new["kind"]:
+        return dict(MIXED)
     if old["kind"] != "tensor":
         return old
     if old.get("shape") is not None and old.get("shape") == new.get("shape"):
         return old
     return {**old, "shape": None, "jagged": True}
+
+
+MIXED = {"kind": "object", "mixed": True}
 
 
 def merge_schema_strict(a: dict, b: dict) -> dict:
@@ -155,7 +175,7 @@ def validate_row(row: dict, schema: dict, *, where) -> None:
             _fail(where, f"field {name!r} is not in the dump's field schema")
         kind = fs.get("kind")
         if kind == "object":
-            if isinstance(value, RawTensor):
+            if isinstance(value, RawTensor) and not fs.get("mixed"):
                 _fail(where, f"field {name!r} holds a tensor, schema says object")
             continue
         if kind != "tensor":

@@ -277,6 +277,25 @@ def result_buffer(nbytes: int):
     return t, t.data_ptr(), t.numpy()
 
 
+def _seqlen_args() -> set:
+    import inspect
+    return set(inspect.signature(torch.nested.nested_tensor_from_jagged).parameters) & \
+        {"min_seqlen", "max_seqlen"}
+
+
+_SEQLEN_ARGS = _seqlen_args()
+
+
+def jagged(values: torch.Tensor, offsets: torch.Tensor, lengths) -> torch.Tensor:
+    """A jagged nested tensor over ``values`` (no copy) that knows its shortest and
+    longest row, as ``torch.nested.as_nested_tensor`` makes them: without them
+    ``to_padded_tensor`` pads every row to the length of all values together."""
+    extra = {}
+    if len(lengths) and _SEQLEN_ARGS:
+        extra = {"min_seqlen": int(min(lengths)), "max_seqlen": int(max(lengths))}
+    return torch.nested.nested_tensor_from_jagged(values, offsets, **extra)
+
+
 def _from_plan(plan):
     """The column whose rows the units copied into ``plan``'s buffer: a dense tensor or a
     jagged nested tensor over that buffer, without a copy."""
@@ -286,7 +305,7 @@ def _from_plan(plan):
     values = flat.view(int(plan.lengths.sum()), *plan.rest)
     offsets = torch.zeros(len(plan.lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.from_numpy(plan.lengths), 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(values, offsets)
+    return jagged(values, offsets, plan.lengths)
 
 
 def _read_file_rows(values) -> None:
@@ -408,20 +427,43 @@ def assemble_column(values: list, schema: dict):
                 dst[pos:pos + nb] = np.frombuffer(v.data, dtype=np.uint8)
             pos += nb
         offsets = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
-        return torch.nested.nested_tensor_from_jagged(flat, offsets)
+        return jagged(flat, offsets, lengths)
     return torch.nested.nested_tensor([from_raw(v) for v in values])
 
 
 def _transferqueue_layout(col):
-    """A column as TransferQueue 0.1.11 returns it: rows of one or more dimensions as a
-    jagged nested tensor even when their shapes agree (strided nested if that fails)."""
+    """A column as TransferQueue 0.1.11 returns it (its storage manager's packing): rows
+    of one or more dimensions as a jagged nested tensor even when their shapes agree (for
+    a dense column a view of it, no copy), 0-d rows as one dense tensor, other values as a
+    NonTensorStack; a non-tensor column whose rows are all tensors is packed like tensors."""
+    if isinstance(col, NonTensorStack):
+        rows = col.tolist()
+        if rows and all(isinstance(r, torch.Tensor) for r in rows):
+            return pack_tensor_rows(rows)
+        return col
     if not isinstance(col, torch.Tensor) or col.dim() < 2 or col.is_nested:
         return col
-    rows = list(col.unbind(0))
-    try:
-        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    except (RuntimeError, TypeError):
-        return torch.nested.as_nested_tensor(rows, layout=torch.strided)
+    n, length = col.shape[0], col.shape[1]
+    values = col.reshape(n * length, *col.shape[2:])
+    offsets = torch.arange(n + 1, dtype=torch.int64) * length
+    return jagged(values, offsets, (length,) if n else ())
+
+
+def pack_tensor_rows(rows: list):
+    """Per-row tensors packed as TransferQueue packs them: all 0-d stacked dense, else a
+    jagged nested tensor, else a strided one, else a NonTensorStack. Rows of different
+    dtypes stay a NonTensorStack (TransferQueue's strided fallback would convert them all
+    to the first row's dtype)."""
+    if len({r.dtype for r in rows}) > 1:
+        return NonTensorStack(*rows)
+    if all(r.dim() == 0 for r in rows):
+        return torch.stack(rows)
+    for layout in (torch.jagged, torch.strided):
+        try:
+            return torch.nested.as_nested_tensor(rows, layout=layout)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+    return NonTensorStack(*rows)
 
 
 def tensordict_from_columns(columns: dict, schemas: dict, n: int, *,

@@ -124,6 +124,7 @@ def test_unstorable_tensor_is_a_type_error_naming_the_field(tq_shared, pid, kind
     assert _listed(pid) == {}
 
 
+@pytest.mark.strict
 def test_conj_and_neg_views_are_stored_as_their_value(tq_shared, pid):
     z = torch.tensor([[1 + 2j, 3j], [-1j, 4 + 0j]], dtype=torch.complex64)
     conj, neg = z.conj(), z.conj().imag

@@ -1,7 +1,9 @@
 """Whole-system checkpoints: save_checkpoint / load_checkpoint against a real deployment.
 
 load_checkpoint replaces the whole state, so every test here starts by clearing everything.
-The unit-count test starts its own deployment and therefore runs last.
+The unit-count test starts its own deployment and therefore runs last. The tests compare
+dense columns, so they run in strict mode (tests/e2e/test_tq_checkpoint_suite.py covers the
+default, TransferQueue's results).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
 from tqtx import DumpFormatError, KeysNotFoundError
+
+pytestmark = pytest.mark.strict
 
 
 def wipe():

@@ -1,6 +1,6 @@
-"""TransferQueue 0.1.11 drop-in compatibility (issue 13) against real deployments: call
-shapes, the exception types TransferQueue users catch, metadata.json, mixed fields and
-the ``compat: "transferqueue"`` switch. See docs/compatibility.md."""
+"""TransferQueue 0.1.11 drop-in compatibility against real deployments: call shapes, the
+exception types TransferQueue users catch, metadata.json, mixed fields, TransferQueue's
+results by default and the opt-in strict mode. See docs/compatibility.md."""
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +39,11 @@ TQ_ASYNC = ["kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "k
             "kv_clear"]
 
 
+def rows(col) -> list:
+    """A jagged (TransferQueue-shaped) column as nested lists, one per sample."""
+    return [t.tolist() for t in col.unbind()]
+
+
 def _bare(fn) -> inspect.Signature:
     sig = inspect.signature(fn)
     return sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty)
@@ -69,6 +74,35 @@ def test_signatures_accept_every_transferqueue_call(name):
         assert _accepts(_bare(twin), TQ_SIGNATURES[name])
 
 
+# TransferQueue 0.1.11 transfer_queue/client.py, TransferQueueClient (sync; the async forms
+# take the same parameters plus the socket its decorator injects)
+TQ_CLIENT_SIGNATURES = {
+    "get_meta": "(data_fields, batch_size, partition_id, mode='fetch', task_name=None, "
+                "sampling_config=None)",
+    "set_custom_meta": "(metadata)",
+    "put": "(data, metadata=None, partition_id=None, data_parser=None)",
+    "get_data": "(metadata)", "clear_partition": "(partition_id)", "clear_samples": "(metadata)",
+    "get_consumption_status": "(task_name, partition_id)",
+    "get_production_status": "(data_fields, partition_id)",
+    "check_consumption_status": "(task_name, partition_id)",
+    "check_production_status": "(data_fields, partition_id)",
+    "reset_consumption": "(partition_id, task_name=None)", "get_partition_list": "()",
+    "kv_retrieve_meta": "(keys, partition_id, create=False)",
+    "kv_retrieve_keys": "(global_indexes, partition_id)", "kv_list": "(partition_id=None)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TQ_CLIENT_SIGNATURES))
+def test_client_calls_take_transferqueues_parameters(name):
+    from tqtx.dataplane import DataPlaneClient
+    for method in (name, f"async_{name}"):
+        fn = getattr(DataPlaneClient, method)
+        sig = _bare(fn)
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+        assert _accepts(sig, TQ_CLIENT_SIGNATURES[name]), (method, sig)
+    assert inspect.iscoroutinefunction(getattr(DataPlaneClient, f"async_{name}"))
+
+
 def test_kv_batch_meta_has_transferqueue_fields_and_methods():
     import dataclasses
     assert [f.name for f in dataclasses.fields(KVBatchMeta)] == [
@@ -97,9 +131,13 @@ def test_transferqueue_call_shapes(tq_shared, pid, tmp_path):
     meta = tq.kv_batch_put("one", pid, TensorDict({"x": torch.arange(3)[None]}, [1]),
                            tags=[{"status": "pending"}])
     assert meta.keys == ["one"] and meta.fields == ["x"]
+    # as TransferQueue: the returned tags are the keys' tags as stored (merged)
+    meta = tq.kv_batch_put("one", pid, TensorDict({"z": torch.ones(1)}, [1]), tags=[{"n": 1}])
+    assert meta.tags == [{"status": "pending", "n": 1}] and meta.fields == ["x", "z"]
+    assert tq.kv_put("one", pid, tag={"n": 2}).tags == [{"status": "pending", "n": 2}]
     tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.ones(2, 3, dtype=torch.int64),
                                                  "y": torch.zeros(2)}, [2]))
-    assert tq.kv_batch_get("one", pid, select_fields="x")["x"].tolist() == [[0, 1, 2]]
+    assert rows(tq.kv_batch_get("one", pid, select_fields="x")["x"]) == [[0, 1, 2]]
     assert list(tq.kv_batch_get(["a", "b"], pid, select_fields=["y"]).keys()) == ["y"]
     m = KVBatchMeta(keys=["a", "b"], partition_id=pid, fields=["x", "y"])
     assert list(tq.kv_batch_get_by_meta(m, select_fields="y").keys()) == ["y"]
@@ -114,7 +152,7 @@ def test_transferqueue_call_shapes(tq_shared, pid, tmp_path):
         got = await tq.async_kv_batch_get("c", pid, select_fields="x")
         await tq.async_kv_clear("c", pid)
         return got
-    assert asyncio.run(twins())["x"].tolist() == [[0, 1, 2]]
+    assert rows(asyncio.run(twins())["x"]) == [[0, 1, 2]]
     assert "c" not in tq.kv_list(pid)[pid]
 
     # data_parser would ship code to the units: refused before anything is written
@@ -147,6 +185,7 @@ def test_get_metrics_endpoint_names_the_controller_exporter(tq_start):
 
 
 # ---------------------------------------------------------------- 3. errors
+@pytest.mark.strict
 def test_select_fields_not_produced_is_a_value_error(tq_shared, pid):
     tq.kv_put("a", pid, {"x": torch.ones(1)})
     tq.kv_put("b", pid, {"x": torch.ones(1), "y": torch.ones(1)})
@@ -266,7 +305,7 @@ def test_checkpoint_metadata_json_is_transferqueue_layout(tq_shared, pid, tmp_pa
     tq.kv_clear("a", pid)
     res = tq.load_checkpoint(ck)
     assert res["metadata"] == {"global_steps": 3} and res["storage_saved"] is True
-    assert tq.kv_batch_get("a", pid)["x"].tolist() == [[0, 1, 2]]
+    assert rows(tq.kv_batch_get("a", pid)["x"]) == [[0, 1, 2]]
 
     # include_storage=False: as for TransferQueue's in-memory storage, the rows are saved
     with caplog.at_level(logging.WARNING, logger="tqtx.checkpoint"):
@@ -275,7 +314,7 @@ def test_checkpoint_metadata_json_is_transferqueue_layout(tq_shared, pid, tmp_pa
     assert json.loads((ck / "metadata.json").read_text())["storage_saved"] is True
     tq.kv_clear("a", pid)
     assert tq.load_checkpoint(ck)["metadata"] == {"global_steps": 4}
-    assert tq.kv_batch_get("a", pid)["x"].tolist() == [[0, 1, 2]]
+    assert rows(tq.kv_batch_get("a", pid)["x"]) == [[0, 1, 2]]
 
     # a checkpoint of an earlier tqtx holds the user's dict itself
     (ck / "metadata.json").write_text(json.dumps({"step": 1}))
@@ -332,14 +371,39 @@ def test_mixed_fields_round_trip_bit_exact(tq_shared, pid, tmp_path):
     _check_mixed(pid, keys)
 
 
+def test_kinds_mixed_across_puts_survive_dump_restore_and_checkpoint(tq_shared, pid, tmp_path):
+    """TransferQueue accepts a field's tensor values in one put and non-tensor values in
+    another (the default here too); every row comes back as it was put, through a dump,
+    a restore into another partition and a checkpoint."""
+    puts = {"a": torch.tensor([[7]]), "b": NonTensorStack("text"), "c": torch.tensor([[8]])}
+    for key, value in puts.items():
+        tq.kv_batch_put([key], pid, TensorDict({"x": value}, [1]))
+
+    def check(p):
+        values = tq.kv_batch_get(["a", "b", "c"], p)["x"].tolist()
+        assert values[1] == "text" and torch.equal(values[0], torch.tensor([7]))
+        assert torch.equal(values[2], torch.tensor([8]))
+        only = tq.kv_batch_get(["a", "c"], p)["x"]  # all tensors: a jagged tensor
+        assert rows(only) == [[7], [8]]
+    check(pid)
+    tq.dump_data_by_key(tmp_path / "d", ["a", "b", "c"], pid)
+    assert fmt.verify_dump(tmp_path / "d")["ok"]
+    tq.load_data_by_key(tmp_path / "d", partition_id=pid + "-r")
+    check(pid + "-r")
+    tq.save_checkpoint(tmp_path / "ck")
+    tq.kv_clear(["a", "b", "c"], pid)
+    tq.load_checkpoint(tmp_path / "ck")
+    check(pid)
+
+
 # ---------------------------------------------------------------- 6. compat switch
 def _seed(pid):
     tq.kv_batch_put(["a", "b"], pid, TensorDict({"x": torch.arange(6).reshape(2, 3)}, [2]))
     tq.kv_put("a", pid, {"y": torch.ones(2)})
 
 
-def test_default_is_strict_and_dense(tq_start, pid):
-    tq_start(2)
+def test_strict_mode_is_strict_and_dense(tq_start, pid):
+    tq_start(2, strict=True)
     _seed(pid)
     with pytest.raises(tq.KeysNotFoundError, match="missing"):
         tq.kv_batch_get(["a", "missing", "b"], pid)
@@ -349,8 +413,9 @@ def test_default_is_strict_and_dense(tq_start, pid):
     assert not x.is_nested and x.tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
-def test_compat_transferqueue_reproduces_its_lenient_results(tq_start, pid):
-    tq_start(2, compat="transferqueue")
+@pytest.mark.parametrize("config", [{}, {"compat": "transferqueue"}, {"strict": False}])
+def test_default_reproduces_transferqueues_lenient_results(tq_start, pid, config):
+    tq_start(2, **config)
     _seed(pid)
     td = tq.kv_batch_get(["b", "missing", "a"], pid)  # unknown keys are left out
     assert td.batch_size == torch.Size([2])
@@ -366,6 +431,19 @@ def test_compat_transferqueue_reproduces_its_lenient_results(tq_start, pid):
     tq.close()
     with pytest.raises(ValueError, match="compat"):
         tq_start(2, compat="bogus")
+    with pytest.raises(ValueError, match="contradicts"):
+        tq_start(2, compat="transferqueue", strict=True)
+
+
+def test_strict_env_opts_in_where_init_does_not_say(tq_start, pid, monkeypatch):
+    tq_start(2)
+    _seed(pid)
+    monkeypatch.setenv("TQTX_STRICT", "1")
+    with pytest.raises(tq.KeysNotFoundError):
+        tq.kv_batch_get(["a", "missing"], pid)
+    tq_start(2, strict=False)  # the config wins over the environment
+    _seed(pid)
+    assert tq.kv_batch_get(["a", "missing"], pid).batch_size == torch.Size([1])
 
 
 def test_init_takes_transferqueue_conf_and_passes_version_gates(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 import pytest
 
 import tqtx as tq
-from tqtx import PeerDiedError, StateDirInUseError, owner
+from tqtx import PeerDiedError, StateDirInUseError, TqtxError, api, owner
 from tq_procs import alive, job_context, job_env, job_processes, race_member, wait_gone
 
 
@@ -137,15 +138,13 @@ def test_attached_process_is_told_the_creator_exited(tmp_path, procs, monkeypatc
         assert time.monotonic() - t0 < 30, "the creator's exit was noticed only at the timeout"
         tq.close()
         # the killed creator's record is stale: the next init creates a new deployment; its
-        # controller replays the journaled metadata, and the units came back empty, so key
-        # "a" is listed but named lost (issue 15) until it is put again or cleared
+        # controller replays the journaled metadata, but no unit kept a row (the whole job
+        # died), so the buffer starts empty, as TransferQueue's does
         cfg = tq.init({"state_dir": state})
         assert cfg["mode"] == "embedded" and cfg["owner_pid"] == os.getpid()
-        assert tq.kv_list() == {"p": {"a": {}}}
-        with pytest.raises(tq.RowsLostError, match="'a'"):
+        assert tq.kv_list() == {} and tq.list_lost_keys() == {}
+        with pytest.raises(ValueError, match="not found"):
             tq.kv_batch_get(["a"], "p")
-        tq.kv_clear(["a"], "p")
-        assert tq.kv_list() == {}
     finally:
         tq.close()
 
@@ -174,6 +173,20 @@ def test_stale_owner_record_never_blocks_a_start(tmp_path, monkeypatch, what):
     finally:
         tq.close()
     assert owner.read_record(str(state)) is None
+
+
+def test_record_made_on_another_host_that_does_not_answer_is_an_error(tmp_path, monkeypatch):
+    """A shared state dir whose deployment runs on another host this one cannot reach:
+    refused, naming the host and address, rather than a second, invisible deployment."""
+    tq.close()
+    monkeypatch.delenv("TQTX_ADDRESS", raising=False)
+    state = tmp_path / "state"
+    rec = _stale_record(state, hostname="another-host", owner_pid=4242)
+    with pytest.raises(TqtxError, match=r"made on host 'another-host' \(pid 4242\) and its "
+                                        r"controller at " + re.escape(rec["address"])):
+        tq.init({"state_dir": str(state), "num_units": 1})
+    assert owner.read_record(str(state)) == rec  # left as it was
+    assert api._client is None
 
 
 def test_record_of_a_reused_pid_is_stale(tmp_path, monkeypatch):

@@ -178,6 +178,7 @@ def test_two_processes_dumping_one_path_are_serialized(tq_start, tmp_path):
     assert pubs[0]["updated_at"] <= pubs[1]["created_at"]  # no overlap: the lock serialized them
 
 
+@pytest.mark.strict
 def test_no_payload_byte_passes_through_the_client(tq_shared, pid, tmp_path):
     n = 64
     td = TensorDict({"x": torch.randn(n, 16384)}, batch_size=[n])  # 4 MiB

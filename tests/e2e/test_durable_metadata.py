@@ -79,9 +79,14 @@ def _owners(keys, pid=PID) -> dict[str, int]:
     return {k: client.owner(i) for k, i in zip(keys, desc["indexes"])}
 
 
+def _rows(col) -> list:
+    """A column's rows as lists, whatever its layout (jagged by default, dense if strict)."""
+    return [t.tolist() for t in col.unbind()] if col.is_nested else col.tolist()
+
+
 def _values(keys, pid=PID, field="v") -> dict[str, list]:
     td = tq.kv_batch_get(keys, pid, select_fields=[field])
-    return dict(zip(keys, td[field].tolist()))
+    return dict(zip(keys, _rows(td[field])))
 
 
 def _kill_unit(uid: int) -> None:
@@ -228,12 +233,24 @@ def test_unit_back_empty_names_lost_rows_and_a_dump_repairs_them(tq_start, tmp_p
     assert lost_keys[0] in msg and "unit 0" in msg and "v" in msg, msg
     live = [k for k in keys if k not in lost]
     assert _values(live) == {k: ref[k] for k in live}
-    # kv_list still lists them, with their tags
+    # kv_list leaves them out (code that samples it never picks them); list_lost_keys
+    # names them with their tags, fields and unit, for re-generation
     listed = tq.kv_list(PID)[PID]
-    assert set(listed) == set(keys) | set(extra) | set(again)
-    assert all(listed[k] == {"i": i} for i, k in enumerate(keys))
+    assert set(listed) == (set(keys) | set(extra) | set(again)) - lost
+    gone = tq.list_lost_keys(PID)[PID]
+    assert set(gone) == lost and tq.list_lost_keys() == {PID: gone}
+    assert all(gone[k] == {"tag": {"i": i}, "fields": ["u", "v"], "unit": 0}
+               for i, k in enumerate(keys) if k in lost)
     n_lost = len(lost)
     assert _stats()["controller"]["lost_rows"] == n_lost
+    for extra_args in (["--json"], []):  # `tqtx stats --lost` names them too
+        out = subprocess.run([sys.executable, "-m", "tqtx", "stats", "--address", cfg["address"],
+                              "--lost", *extra_args], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        if extra_args:
+            assert set(json.loads(out.stdout)["lost_keys"][PID]) == lost
+        else:
+            assert f"lost: partition {PID!r} key {sorted(lost)[0]!r} (unit 0" in out.stdout
 
     shown = _journal_show(cfg["state_dir"])
     buf = shown.get("buffer")
@@ -247,7 +264,7 @@ def test_unit_back_empty_names_lost_rows_and_a_dump_repairs_them(tq_start, tmp_p
         tq.kv_batch_put(y_lost, PID, new, tags=[{"new": 1}] * len(y_lost))
         got = tq.kv_batch_get(y_lost, PID)
         assert set(got.keys()) == {"v"}
-        assert got["v"].tolist() == [[7, 7, 7]] * len(y_lost)
+        assert _rows(got["v"]) == [[7, 7, 7]] * len(y_lost)
         # tags merge as for any put: the old tag's entries stay, the new ones are added
         assert all(tq.kv_list(PID)[PID][k] == {"y": int(k[1:]), "new": 1} for k in y_lost)
 
@@ -261,7 +278,7 @@ def test_unit_back_empty_names_lost_rows_and_a_dump_repairs_them(tq_start, tmp_p
     tq.kv_clear(x_lost, PID)
     listed = tq.kv_list(PID)[PID]
     assert not set(x_lost) & set(listed)
-    assert _stats()["controller"]["lost_rows"] == 0
+    assert _stats()["controller"]["lost_rows"] == 0 and tq.list_lost_keys() == {}
     assert len(_values(sorted(listed))) == len(listed)
 
 
@@ -456,21 +473,29 @@ def test_close_by_the_creator_ends_the_buffer(tq_start, tmp_path):
     assert _stats()["controller"]["lost_rows"] == 0
 
 
-def test_crash_of_the_creator_keeps_the_keys_listed_but_lost(tq_start, tmp_path):
+def test_crash_of_the_whole_job_starts_empty_and_says_so(tq_start, tmp_path):
+    """No unit kept a row of the dead deployment: the next init starts empty, as
+    TransferQueue does; the controller logs how many keys went and journals it."""
     state = str(tmp_path / "state")
     tq_start(2, state_dir=state)
     keys = [f"k{i}" for i in range(5)]
     tq.kv_batch_put(keys, PID, _batch(keys), tags=[{"i": i} for i in range(len(keys))])
+    tq.kv_put("t", PID + "-tags", tag={"status": "running"})  # a key without fields too
     # what a kill -9 of the whole deployment leaves: no END_BUFFER
     dep = api._deployment
     dep.stop(graceful=False)
     api._client.close()
     api._client = api._deployment = api._config = None
     tq_start(2, state_dir=state)
-    assert tq.kv_list(PID)[PID] == {k: {"i": i} for i, k in enumerate(keys)}
-    with pytest.raises(tq.RowsLostError) as ei:
-        tq.kv_batch_get(keys, PID)
-    assert sorted(ei.value.keys) == keys
+    assert tq.kv_list() == {} and tq.list_lost_keys() == {}
+    assert _stats()["controller"]["keys"] == 0
+    tq.kv_put("k0", PID, {"v": torch.ones(3)})  # a new buffer, usable at once
+    assert _values(["k0"]) == {"k0": [1.0, 1.0, 1.0]}
+    events = [e for e in _journal_show(state)["recovery_events"] if e["kind"] == "buffer"]
+    assert [e["action"] for e in events] == ["dropped"]
+    assert events[0]["detail"].startswith("6 keys in 2 partitions of the previous deployment")
+    with open(os.path.join(state, "logs", "controller.log")) as f:
+        assert "startup: dropped 6 keys in 2 partitions" in f.read()
 
 
 # --------------------------------------------------------------------------- 7. compaction
@@ -544,7 +569,7 @@ def test_journal_at_c0002_with_an_unfinished_restore_migrates_and_serves(tq_star
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     finally:
         con.close()
-    assert rev == "c0004" and "meta_keys" in tables
+    assert rev == "c0005" and "meta_keys" in tables
     (rec,) = [r for r in _journal_show(state)["restores"] if r["restore_id"] == "r1"]
     assert rec["state"] in ("aborted", "failed"), rec
     keys = [f"k{i}" for i in range(4)]

@@ -1,5 +1,7 @@
 """kv_batch_get over both reply layouts (joined column frames, one frame per row): values
-are exact, and what the client got owns its memory (a later overwrite changes nothing)."""
+are exact, and what the client got owns its memory (a later overwrite changes nothing).
+Dense results are compared, so in strict mode; in the default mode a dense column is a
+jagged view of the same buffer (tests/e2e/test_tq_kv_suite.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +9,8 @@ import torch
 from tensordict import TensorDict
 
 import tqtx as tq
+
+pytestmark = pytest.mark.strict
 
 KiB = 1024
 

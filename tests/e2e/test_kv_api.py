@@ -1,4 +1,6 @@
-"""End-to-end KV API against a real deployment (controller + 3 units as child processes).
+"""End-to-end KV API against a real deployment (controller + 3 units as child processes),
+in tqtx's strict mode (strict keys, dense results; the default, TransferQueue's semantics,
+is covered by tests/e2e/test_tq_kv_suite.py).
 
 All tests share the module-scoped ``tq_shared`` deployment and use their own partition.
 """
@@ -13,7 +15,7 @@ from tensordict import NonTensorStack, TensorDict
 import tqtx as tq
 from tqtx import KeysNotFoundError
 
-pytestmark = pytest.mark.usefixtures("tq_shared")
+pytestmark = [pytest.mark.usefixtures("tq_shared"), pytest.mark.strict]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
           torch.uint8]

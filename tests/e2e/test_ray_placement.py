@@ -34,7 +34,9 @@ from tqtx.errors import TqtxError  # noqa: E402
 LOOPBACK = "127.0.0.1"
 # The first test also starts the module's cluster; under pytest-xdist every test of this
 # module runs on one worker, so one Ray cluster serves them all.
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
+# The tests compare dense columns: strict mode (the actors' processes, started by Ray, run
+# with the default and read only 0-d fields, dense in both).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.strict]
 
 
 def _proc_alive(pid: int) -> bool:
@@ -228,6 +230,65 @@ def test_bare_init_in_a_ray_actor_attaches_with_the_deployments_keys(cluster, ra
     ray.kill(trainer)
     assert (mode, address, seen) == ("attached", info["address"], [10.0, 11.0])
     assert tq.kv_batch_get(["c"], pid)["reward"].tolist() == [7.0]
+
+
+def test_bare_init_in_a_ray_job_places_the_deployment_on_ray(cluster, tmp_path, pid):
+    """No placement given, Ray initialized in this process: the deployment goes on the
+    cluster (as TransferQueue's does) and a bare init() in a task attaches to it;
+    placement "local" still starts the embedded one."""
+    tq.close()
+    try:
+        info = tq.init({"num_units": 2, "state_dir": str(tmp_path / "s"), "ray_num_cpus": 0.5,
+                        "ray_start_timeout": 120})
+        assert (info["placement"], info["mode"]) == ("ray", "ray")
+        assert len(info["unit_nodes"]) == 2
+
+        @ray.remote(num_cpus=0)
+        def attach(pid):
+            import tqtx as tq
+            cfg = tq.init()
+            tq.kv_put("from-task", pid, tag={"t": 1})
+            tq.close()
+            return cfg["mode"], cfg["address"]
+        assert ray.get(attach.remote(pid), timeout=120) == ("attached", info["address"])
+        assert tq.kv_list(pid)[pid] == {"from-task": {"t": 1}}
+    finally:
+        tq.close()
+    assert _tqtx_actors() == []
+    try:
+        local = tq.init({"placement": "local", "num_units": 1,
+                         "state_dir": str(tmp_path / "local")})
+        assert local["mode"] == "embedded" and "placement" not in local
+    finally:
+        tq.close()
+
+
+def test_a_recorded_deployment_that_does_not_answer_is_an_error(cluster, tmp_path,
+                                                               monkeypatch):
+    """The job's deployment record names a controller this process cannot reach: init
+    says so, naming the address, and starts nothing."""
+    from tqtx.placement import ray_cluster, ray_init
+    tq.close()
+    monkeypatch.setattr(ray_init, "ATTACH_TIMEOUT", 3.0)
+    silent = "tcp://127.0.0.1:9"  # loopback's discard port: nothing listens there
+
+    @ray.remote(num_cpus=0)
+    class Record:
+        def get_record(self):
+            return {"name": ray_cluster.default_name(), "address": silent, "num_units": 1,
+                    "nodes": {}, "pids": {}, "curve": False}
+    holder = Record.options(name=ray_cluster.default_name(), namespace="tqtx").remote()
+    try:
+        ray.get(holder.get_record.remote(), timeout=60)
+        with pytest.raises(TqtxError, match=r"found the job's tqtx deployment .* cannot reach "
+                                            r"its controller at tcp://127\.0\.0\.1:9 .*does "
+                                            r"not start a second deployment"):
+            tq.init({"state_dir": str(tmp_path / "s")})
+        from tqtx import api
+        assert api._client is None
+        assert _tqtx_actors() == [ray_cluster.default_name()]  # only the record's holder
+    finally:
+        ray.kill(holder)
 
 
 def test_impossible_placements_fail_fast_and_leave_nothing(cluster, ray_tq, tmp_path):

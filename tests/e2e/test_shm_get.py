@@ -1,7 +1,8 @@
 """kv_batch_get on one host with real unit processes, both ways: units copying rows straight
 into the client's result (GET_INTO) and reply files: exact values for every column kind,
 the result is the client's own memory, no file is left behind, rows overwritten while
-gets run come back whole, and the paths can be turned off."""
+gets run come back whole, and the paths can be turned off. Dense columns are compared, so
+in strict mode, except the test of TransferQueue's (the default) layout."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,9 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
-from tqtx import api
+from tqtx import semantics
+
+pytestmark = pytest.mark.strict
 
 
 def _batch(n: int, seed: int):
@@ -91,11 +94,11 @@ def test_transferqueue_layout_takes_the_same_host_path_too(files_on, pid):
     td, jag = _batch(n, 3)
     keys = [f"k{i}" for i in range(n)]
     tq.kv_batch_put(keys, pid, td)
-    api._compat = "transferqueue"
+    semantics.configure(strict=False)
     try:
         got = tq.kv_batch_get(keys + ["missing"], pid)
     finally:
-        api._compat = "tqtx"
+        semantics.configure()
     assert got.batch_size[0] == n
     assert all(torch.equal(a, b) for a, b in zip(got["dense"].unbind(), td["dense"].unbind()))
     assert all(torch.equal(a, b) for a, b in zip(got["tokens"].unbind(), jag))

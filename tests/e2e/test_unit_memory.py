@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -100,6 +101,7 @@ def test_restored_rows_give_their_memory_back_when_cleared(tq_start, pid, tmp_pa
         f"{(rss - idle) / MiB:.1f} MiB over idle")
 
 
+@pytest.mark.strict  # compares dense columns
 def test_small_row_frames_do_not_pin_receive_buffers(tq_start, pid):
     """Rows of 5 KiB fit ZeroMQ's shared 8 KiB receive buffers; stored as views they kept
     a whole buffer each (1.8x the payload). They travel inside the header now (and a unit

@@ -184,14 +184,14 @@ def race_member(i: int, n: int, config, env: dict, sync: dict, results) -> None:
         tq.kv_put(f"k{i}", "race", {"v": torch.tensor([i, i * i, 7])}, tag={"by": i})
         sync["put"].wait(60)
         keys = [f"k{j}" for j in range(n)]
-        results.put(("read", i, os.getpid(), cfg, tq.kv_batch_get(keys, "race")["v"].tolist(),
+        results.put(("read", i, os.getpid(), cfg, _rows(tq.kv_batch_get(keys, "race"), "v"),
                      None))
         if cfg["mode"] != "embedded":
             _wait_file(sync["exit"])
             return
         _wait_file(sync["close"])
         results.put(("reread", i, os.getpid(), cfg,
-                     tq.kv_batch_get(keys, "race")["v"].tolist(), None))
+                     _rows(tq.kv_batch_get(keys, "race"), "v"), None))
         tq.close()
         results.put(("closed", i, os.getpid(), cfg, None, None))
     except Exception as exc:  # reported, so the test shows the cause

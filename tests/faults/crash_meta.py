@@ -257,7 +257,10 @@ def _unit_lost(run: MetaRun, ref) -> dict:
     lost = [k for k in rows if owner[k] == run.FAULTY_UNIT]
     assert lost and len(lost) < len(rows), owner
     listed = tq.kv_list()
-    assert listed["p"] == {k: {"v": 0} for k in rows}, "a lost key is not listed"
+    assert listed["p"] == {k: {"v": 0} for k in rows if k not in lost}, "a lost key is listed"
+    named = tq.list_lost_keys("p")["p"]
+    assert named == {k: {"tag": {"v": 0}, "fields": ["x"], "unit": run.FAULTY_UNIT}
+                     for k in lost}, named
     for k in lost:
         with pytest.raises(RowsLostError) as exc:
             _read("p", k)

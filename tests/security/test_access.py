@@ -26,6 +26,8 @@ from tqtx import security
 from tqtx.errors import PeerTimeoutError
 from tqtx.wire.peer import Peer
 
+pytestmark = pytest.mark.strict  # the tests compare dense columns
+
 
 def _non_loopback_ip() -> str | None:
     try:

@@ -20,6 +20,8 @@ from tqtx import TargetNotADumpError
 from tqtx.publish import dump_lock, recover_publications
 from treehash import assert_unchanged, snapshot, tqtx_own
 
+pytestmark = pytest.mark.strict  # the tests compare dense columns
+
 KINDS = ["dump", "checkpoint"]
 
 

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 import tqtx as tq
 from tqtx.wire import codec
 
+pytestmark = pytest.mark.strict  # the tests compare dense columns
+
 EXT_FRAME, EXT_INLINE = codec.EXT_TENSOR_FRAME, codec.EXT_TENSOR_INLINE
 GEN = 1 << 62  # the generation of the hostile puts' rows: above any the controller gives
 

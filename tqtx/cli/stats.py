@@ -20,10 +20,11 @@ def _error(exc: BaseException) -> str:
 
 
 def gather(address: str, *, curve=None, timeout: float = 30.0,
-           connect_timeout: float | None = None) -> dict:
+           connect_timeout: float | None = None, lost: bool = False) -> dict:
     """``{"controller", "units", "client"}`` as ``Client.stats()`` gives them; a process
     that did not answer is ``{"role", "unit_id", "address", "error"}`` and is named in
-    ``"unreachable"`` (a list, present only when one is)."""
+    ``"unreachable"`` (a list, present only when one is). ``lost``: also ``"lost_keys"``
+    (the controller's ``LIST`` of lost keys)."""
     from ..wire.peer import CONNECT_TIMEOUT, Peer, call_many
     wait = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
     out: dict = {"controller": None, "units": []}
@@ -34,6 +35,8 @@ def gather(address: str, *, curve=None, timeout: float = 30.0,
         try:
             out["controller"] = ctl.call("GET_STATS")
             units = ctl.call("TOPOLOGY")["units"]
+            if lost:
+                out["lost_keys"] = ctl.call("LIST", {"lost": True})
         except Exception as exc:  # noqa: BLE001 - named, never a traceback
             out["controller"] = {"role": "controller", "unit_id": None, "address": address,
                                  "error": _error(exc)}
@@ -75,11 +78,14 @@ def gather(address: str, *, curve=None, timeout: float = 30.0,
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Seconds to wait for each process's reply.")
-def stats(address, keys_dir, as_json, timeout):
+@click.option("--lost", is_flag=True,
+              help="Also name every key whose row was lost (partition, key, unit, fields).")
+def stats(address, keys_dir, as_json, timeout, lost):
     """Per-process statistics: uptime, rows, bytes, open restores, requests by type.
 
     ``--json`` prints one object ``{"controller": {...}, "units": [...], "client": {...}}``
-    (see docs/operations.md). A process that cannot be reached is listed with its
+    (with ``--lost`` also ``"lost_keys": {partition: {key: {"unit", "fields", "tag"}}}``;
+    see docs/operations.md). A process that cannot be reached is listed with its
     ``error`` and named under ``"unreachable"``; the exit code is then 1."""
     address = address or os.environ.get("TQTX_ADDRESS")
     if not address:
@@ -90,7 +96,7 @@ def stats(address, keys_dir, as_json, timeout):
     except (OSError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    data = gather(address, curve=curve, timeout=timeout)
+    data = gather(address, curve=curve, timeout=timeout, lost=lost)
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:

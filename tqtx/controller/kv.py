@@ -22,6 +22,7 @@ from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange
 from ..wire.columns import pack_int64
 from ..wire.peer import call_many
 from ..schema import check_schema_compatible
+from .lost import lost_keys
 from .metadata import EMPTY
 
 log = logging.getLogger("tqtx.controller")
@@ -116,7 +117,12 @@ class KVRequests:
         self._journal_meta("commit_put", change)
         self.meta.apply_commit(pid, updates)
         faults.hit("controller.meta.commit_put.before_reply")
-        return {"fields": common, "stale": stale} if stale else {"fields": common}
+        out = {"fields": common}
+        if stale:
+            out["stale"] = stale
+        if body.get("want_tags"):  # the stored (merged) tags of the keys committed
+            out["tags"] = {k: updates[k][2] or {} for k in keys}
+        return out
 
     def abort_put(self, body, req):
         """A put that failed after ALLOC: forget the pending keys it created (those still
@@ -165,12 +171,22 @@ class KVRequests:
                 "num_units": self.num_units, "topology": self.topology_incarnation}
 
     def list_keys(self, body, req):
-        """Visible keys (lost ones included) with their tags, per partition."""
+        """Visible keys with their tags, per partition; keys whose rows were lost are left
+        out (``lost``: only those, see :mod:`tqtx.controller.lost`)."""
         pid = body.get("partition_id")
         parts = self.meta.visible()
         if pid is not None:
             parts = [p for p in parts if p.pid == pid]
-        return {p.pid: {k: p.tags.get(k, {}) for k in p.keys} for p in parts}
+        if body.get("lost"):
+            return lost_keys(parts)
+        out = {}
+        for p in parts:
+            lost, tags = p.lost, p.tags
+            keys = {k: tags.get(k, {}) for k, i in p.keys.items() if i not in lost} \
+                if lost else {k: tags.get(k, {}) for k in p.keys}
+            if keys:
+                out[p.pid] = keys
+        return out
 
     def clear(self, body, req):
         pid = body["partition_id"]

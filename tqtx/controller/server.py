@@ -17,7 +17,9 @@ from ..paths import controller_lock_path, controller_owner_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server
+from .dataplane import DataPlaneRequests
 from .kv import HeldTags, KVRequests
+from .lost import DeadBufferCheck
 from .metadata import Metadata
 from .restores import RestorePlan, RestoreProtocol, restore_unit_label
 from .startup import replay
@@ -49,10 +51,11 @@ def acquire_state_dir(state_dir: str):
     return lock
 
 
-class Controller(KVRequests, RestoreProtocol):
+class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
     """The controller: process, units and stats here; KV requests in
     :class:`~tqtx.controller.kv.KVRequests`, restore requests in
-    :class:`~tqtx.controller.restores.RestoreProtocol`, startup replay in
+    :class:`~tqtx.controller.restores.RestoreProtocol`, TransferQueue's low-level client
+    requests in :class:`~tqtx.controller.dataplane.DataPlaneRequests`, startup replay in
     :mod:`tqtx.controller.startup`.
 
     ``durability`` (``"full"``, ``"normal"``, ``"off"``): how metadata changes are journaled
@@ -84,6 +87,7 @@ class Controller(KVRequests, RestoreProtocol):
         # reported what it holds), or UNIT_WAIT seconds: see _require_units.
         self.awaiting_units = (set(range(num_units)) if self.meta.partitions or
                                self.checkpoint_load else set())
+        self.dead_buffer = DeadBufferCheck(self)  # a whole-job crash: start empty
         self.unit_wait_until = time.monotonic() + UNIT_WAIT
         self.units: dict[int, str] = {}
         # Topology incarnation: changes whenever a unit (re-)registers at a new address;
@@ -93,13 +97,14 @@ class Controller(KVRequests, RestoreProtocol):
         self.unit_peers: dict[int, Peer] = {}
         self.started = time.time()
         self.counters: dict[str, int] = {}
+        self._init_dataplane()
         s = self.server
         for op, fn, mutating in [
             ("PING", self.ping, False), ("REGISTER_UNIT", self.register_unit, True),
             ("TOPOLOGY", self.topology, False), ("ALLOC", self.alloc, True),
             ("COMMIT_PUT", self.commit_put, True), ("ABORT_PUT", self.abort_put, True),
             ("LOOKUP", self.lookup, False),
-            ("LIST", self.list_keys, False), ("CLEAR", self.clear, True),
+            ("LIST", self.list_keys, False), ("CLEAR", self.clear_forgetting, True),
             ("DESCRIBE_ROWS_BY_KEY", self.describe_rows, False),
             ("TAKE_DUMP_TAGS", self.take_dump_tags, True),
             ("RECORD_DUMP", self.record_dump, True),
@@ -109,9 +114,15 @@ class Controller(KVRequests, RestoreProtocol):
             ("GET_RESTORE", self.get_restore, False),
             ("CHECKPOINT_SNAPSHOT", self.checkpoint_snapshot, False),
             ("CHECKPOINT_CHECK", self.checkpoint_check, False),
-            ("CHECKPOINT_REPLACE", self.checkpoint_replace, True),
+            ("CHECKPOINT_REPLACE", self.replace_forgetting, True),
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
-            ("END_BUFFER", self.end_buffer, True), ("SHUTDOWN", self.shutdown, True),
+            ("END_BUFFER", self.end_forgetting, True), ("SHUTDOWN", self.shutdown, True),
+            ("KV_META", self.kv_meta, False), ("KV_KEYS", self.kv_keys, False),
+            ("STREAM_META", self.stream_meta, True), ("CONSUMPTION", self.consumption, False),
+            ("PRODUCTION", self.production, False),
+            ("RESET_CONSUMPTION", self.reset_consumption, True),
+            ("PARTITIONS", self.partitions, False),
+            ("DATAPLANE_OPTIONS", self.dataplane_options, True),
         ]:
             s.add(op, fn, mutating=mutating)
         # restore claims are counted per action: RESTORE_UNIT:claim / :staged / :failed
@@ -148,7 +159,10 @@ class Controller(KVRequests, RestoreProtocol):
         drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
         if stale and held:
             drop = [[i, g] for i, g in zip(held.get("indexes") or (), held.get("gens") or ())]
+        self.dead_buffer.unit_reported(uid, held)
         self.awaiting_units.discard(uid)
+        if not self.awaiting_units:
+            self.dead_buffer.settle(self)
         if self.checkpoint_load and not self.awaiting_units:
             self._checkpoint_switched()
         drop_staged = [rid for rid in body.get("staged") or () if rid not in self.restores]
@@ -206,8 +220,14 @@ class Controller(KVRequests, RestoreProtocol):
         if change:
             self._journal_meta("unit_lost", change)
             self.meta.apply_lost(change)
-            log.error("unit %d came back without %d rows it held; they are marked lost "
-                      "(RowsLostError on read; kv_list still lists them)", uid, len(change.rows))
+            if not have and not self.dead_buffer.done:
+                log.warning("unit %d came back empty: %d rows of the replayed buffer are "
+                            "marked lost (if no unit kept any row, the buffer is dropped "
+                            "once all units registered)", uid, len(change.rows))
+            else:
+                log.error("unit %d came back without %d rows it held; they are marked lost "
+                          "(RowsLostError on read; kv_list leaves them out, "
+                          "tq.list_lost_keys names them)", uid, len(change.rows))
         known = self.meta.gens  # every allocated index: visible, pending, reserved
         return [[i, g] for i, g in zip(indexes, gens) if known.get(i) != g], len(change.rows)
 

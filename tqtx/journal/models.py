@@ -118,7 +118,8 @@ class Dump(ControllerBase):
 
 class RecoveryEvent(ControllerBase):
     __tablename__ = "recovery_events"
-    __table_args__ = (CheckConstraint("kind IN ('restore', 'publication')", name="kind"),)
+    __table_args__ = (CheckConstraint("kind IN ('restore', 'publication', 'buffer')",
+                                      name="kind"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     incarnation_id: Mapped[Optional[int]] = mapped_column(ForeignKey("incarnations.id"),

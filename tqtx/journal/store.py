@@ -347,9 +347,11 @@ class ControllerJournal(_Journal):
 
     def record_recovery(self, *, incarnation_id: int | None, kind: str, target: str,
                         action: str, detail: str = "") -> dict:
-        """Journal one recovery action (kind 'restore' or 'publication')."""
-        if kind not in ("restore", "publication"):
-            raise ValueError(f"recovery kind must be 'restore' or 'publication', not {kind!r}")
+        """Journal one recovery action (kind 'restore', 'publication' or 'buffer': a dead
+        deployment's metadata dropped at startup)."""
+        if kind not in ("restore", "publication", "buffer"):
+            raise ValueError(f"recovery kind must be 'restore', 'publication' or 'buffer', "
+                             f"not {kind!r}")
         with self._tx() as s:
             e = RecoveryEvent(incarnation_id=incarnation_id, at=utcnow(), kind=kind,
                               target=os.fspath(target), action=action, detail=detail)

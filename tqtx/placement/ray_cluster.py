@@ -43,6 +43,10 @@ STOPPED = {"stopped": True}  # the named actor's record while its deployment sto
 NODE_CACHE_SECONDS = 1.0
 
 
+class DeploymentNameTaken(TqtxError):
+    """The job's deployment name is taken: another process created it (attach instead)."""
+
+
 def default_name() -> str:
     """The named actor of this Ray job's deployment: ``tqtx-<job id>``."""
     return f"tqtx-{ray.get_runtime_context().get_job_id()}"
@@ -174,9 +178,9 @@ class RayDeployment(_RayTopology):
         deadline = time.monotonic() + self.start_timeout
         try:
             if _find_actor(self.name) is not None:
-                raise TqtxError(f"a tqtx deployment named {self.name!r} already runs in Ray "
-                                f"namespace {NAMESPACE!r}; attach with a bare tq.init() or give "
-                                f"another ray_name")
+                raise DeploymentNameTaken(
+                    f"a tqtx deployment named {self.name!r} already runs in Ray namespace "
+                    f"{NAMESPACE!r}; attach with a bare tq.init() or give another ray_name")
             plan = plan_units(ray.nodes(), num_units, self.resource, self.num_cpus)
             here = ray.get_runtime_context().get_node_id()
             ips = {n.get("NodeManagerAddress") for n in plan} | {_node_ip(here)}
@@ -187,9 +191,13 @@ class RayDeployment(_RayTopology):
             if self.curve:
                 env["TQTX_CURVE"] = "1"  # every process of the deployment speaks CURVE
             host = ray.remote(ServerHost)
-            ctl = host.options(name=self.name, namespace=NAMESPACE, num_cpus=0, max_restarts=0,
-                               scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
-                               ).remote("controller")
+            try:
+                ctl = host.options(
+                    name=self.name, namespace=NAMESPACE, num_cpus=0, max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
+                ).remote("controller")
+            except ValueError as exc:  # another process of the job took the name first
+                raise DeploymentNameTaken(f"tqtx deployment {self.name!r}: {exc}") from None
             self.actors["controller"] = ctl
             self._scheduled({"controller": ctl}, {"controller": here}, deadline)
             log_dir = paths.log_dir(self.state_dir)

@@ -1,10 +1,16 @@
 """``tq.init`` on Ray: create the job's Ray deployment, or attach to it (no Ray import here).
 
 :func:`init_on_ray` is called by :func:`tqtx.init` before it starts an embedded
-deployment. It acts when the config says ``placement: "ray"``, or when Ray is already
-imported and initialized in this process (a Ray driver or actor) and the job's named
-deployment actor exists. Otherwise it returns None and init carries on as before: Ray is
-never imported by tqtx unless this process already did, or asked for Ray placement.
+deployment. It acts when the config says ``placement: "ray"``, or when no placement is
+given and Ray is already imported and initialized in this process (a Ray driver or actor,
+as TransferQueue's ``init`` is always a Ray call): then the deployment goes on the Ray
+cluster, or, if the job has one, this process attaches to it. ``placement: "local"`` keeps
+the embedded deployment of the state dir. Ray is never imported by tqtx unless this process
+already did, or asked for Ray placement.
+
+A process that finds the job's deployment record but cannot reach the controller it names
+raises :class:`~tqtx.errors.TqtxError` naming that address and this node; it never starts a
+second deployment its peers would not see.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import sys
 log = logging.getLogger("tqtx.init")
 
 PLACEMENTS = ("local", "ray")
+# How long an attaching process waits for the recorded controller to answer.
+ATTACH_TIMEOUT = float(os.environ.get("TQTX_ATTACH_TIMEOUT", "30"))
 
 
 def _ray_ready() -> bool:
@@ -24,10 +32,12 @@ def _ray_ready() -> bool:
 
 def init_on_ray(cfg: dict, state_dir_default):
     """``(deployment or None, client, config)`` for Ray placement, or None (not on Ray)."""
-    placement = cfg.get("placement") or "local"
+    placement = cfg.get("placement")
+    if placement is None:
+        placement = "ray" if _ray_ready() else "local"
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {placement!r}")
-    if placement != "ray" and not _ray_ready():
+    if placement != "ray":
         return None
     try:
         import ray
@@ -37,26 +47,32 @@ def init_on_ray(cfg: dict, state_dir_default):
         log.info("placement 'ray': ray.init() (connects to RAY_ADDRESS or starts a local Ray)")
         ray.init()
     from . import ray_cluster
-    rec = ray_cluster.find_record(cfg.get("ray_name"),
-                                  wait=float(cfg.get("ray_start_timeout") or 60.0))
-    if rec is not None:
-        return None, *_attach(rec, cfg)
-    if placement != "ray":
-        return None  # a Ray job without a tqtx deployment: the embedded one, as before
-    num_units = int(cfg["num_units"])
-    if num_units < 1:
-        raise ValueError("num_units must be >= 1")
-    state_dir = os.path.abspath(cfg.get("state_dir") or os.environ.get("TQTX_STATE_DIR")
-                                or state_dir_default())
-    dep = ray_cluster.RayDeployment(num_units=num_units, state_dir=state_dir, cfg=cfg,
-                                    name=cfg.get("ray_name"))
-    try:
-        client, config = _connect(dep.record, cfg, dep, "ray")
-    except BaseException:
-        dep.stop(graceful=False)
-        raise
-    config["owner_pid"] = os.getpid()
-    return dep, client, config
+    wait = float(cfg.get("ray_start_timeout") or 60.0)
+    for _ in range(2):  # a second look when another process of the job created it first
+        rec = ray_cluster.find_record(cfg.get("ray_name"), wait=wait)
+        if rec is not None:
+            return None, *_attach(rec, cfg)
+        num_units = int(cfg["num_units"])
+        if num_units < 1:
+            raise ValueError("num_units must be >= 1")
+        state_dir = os.path.abspath(cfg.get("state_dir") or os.environ.get("TQTX_STATE_DIR")
+                                    or state_dir_default())
+        try:
+            dep = ray_cluster.RayDeployment(num_units=num_units, state_dir=state_dir, cfg=cfg,
+                                            name=cfg.get("ray_name"))
+        except ray_cluster.DeploymentNameTaken as exc:
+            log.info("%s; attaching to it", exc)
+            continue
+        try:
+            client, config = _connect(dep.record, cfg, dep, "ray")
+        except BaseException:
+            dep.stop(graceful=False)
+            raise
+        config["owner_pid"] = os.getpid()
+        return dep, client, config
+    raise ray_cluster.DeploymentNameTaken(
+        f"the job's tqtx deployment {cfg.get('ray_name') or ray_cluster.default_name()!r} "
+        f"exists but gave no record within {wait:g}s")
 
 
 def _attach(rec: dict, cfg: dict):
@@ -70,9 +86,20 @@ def _attach(rec: dict, cfg: dict):
 
 def _connect(rec: dict, cfg: dict, deployment, mode: str):
     from ..client import Client
+    from ..errors import TqtxError
     from .ray_cluster import record_curve
-    client = Client(rec["address"], timeout=float(cfg["timeout"]), deployment=deployment,
-                    curve=record_curve(rec))
+    try:
+        client = Client(rec["address"], timeout=float(cfg["timeout"]), deployment=deployment,
+                        curve=record_curve(rec), wait_ready=ATTACH_TIMEOUT)
+    except TqtxError as exc:
+        if mode != "attached":
+            raise
+        raise TqtxError(
+            f"this process (node {_here()}) found the job's tqtx deployment (Ray actor "
+            f"{rec['name']!r} in namespace 'tqtx') but cannot reach its controller at "
+            f"{rec['address']} within {ATTACH_TIMEOUT:g}s ($TQTX_ATTACH_TIMEOUT): {exc}. It "
+            f"does not start a second deployment: make that address reachable from this node "
+            f"(network, firewall; a CURVE deployment's keys come with the record)") from exc
     try:
         topo = client.topology
         nodes = rec.get("nodes") or {}
@@ -90,3 +117,13 @@ def _connect(rec: dict, cfg: dict, deployment, mode: str):
         client.close()
         raise
     return client, config
+
+
+def _here() -> str:
+    import socket
+    try:
+        import ray
+        node = ray.get_runtime_context().get_node_id()[:8]
+    except Exception:  # only for the message
+        node = "?"
+    return f"{node} ({socket.gethostname()})"
