@@ -243,7 +243,8 @@ def test_valid_configs_pass_and_none_means_the_default():
     assert resolve({"num_units": None, "timeout": None}) == {}
     assert resolve({"backend": {"SimpleStorage": {"num_data_storage_units": 4,
                                                   "total_storage_size": None}},
-                    "controller": {"polling_mode": False}}) == {"num_units": 4}
+                    "controller": {"polling_mode": False}}) == {"num_units": 4,
+                                                              "polling_mode": False}
 
 
 def test_an_initialized_process_still_checks_the_config(tmp_path):

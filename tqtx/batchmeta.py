@@ -18,6 +18,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from .kvmeta import chunk_bounds
+
 log = logging.getLogger("tqtx.batchmeta")
 
 
@@ -318,16 +320,8 @@ class BatchMeta:
     def chunk(self, chunks: int) -> list["BatchMeta"]:
         """``chunks`` consecutive batches whose sizes differ by at most one (the first ones
         larger); some are empty when there are fewer samples than chunks."""
-        if self.size < chunks:
-            log.warning("BatchMeta.chunk: %d chunks of %d samples, some are empty",
-                        chunks, self.size)
-        base, extra = divmod(self.size, chunks)
-        out, start = [], 0
-        for i in range(chunks):
-            end = start + base + (1 if i < extra else 0)
-            out.append(self._taking(list(range(start, end))))
-            start = end
-        return out
+        return [self._taking(list(range(a, b)))
+                for a, b in chunk_bounds(self.size, chunks, "BatchMeta", "samples")]
 
     def chunk_by_partition(self) -> list["BatchMeta"]:
         groups: dict[str, list[int]] = defaultdict(list)

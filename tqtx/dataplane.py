@@ -50,6 +50,8 @@ def list_lost_keys(partition_id: str | None = None) -> dict:
     out and kv_batch_get of one raises RowsLostError; put them again (re-generate them),
     restore a dump that holds them, or kv_clear them."""
     from . import api
+    from .validate import check_call
+    check_call("list_lost_keys", locals())
     from .tensors import decode_object
     raw = api._client_of().call_controller("LIST", {"partition_id": partition_id, "lost": True},
                                            what="listing lost keys")

@@ -68,16 +68,8 @@ class KVBatchMeta:
     def chunk(self, chunks: int) -> list["KVBatchMeta"]:
         """``chunks`` consecutive batches whose sizes differ by at most one (the first ones
         larger); some are empty when there are fewer keys than chunks."""
-        if self.size < chunks:
-            log.warning("KVBatchMeta.chunk: %d chunks of %d keys, some are empty",
-                        chunks, self.size)
-        base, extra = divmod(self.size, chunks)
-        out, start = [], 0
-        for i in range(chunks):
-            end = start + base + (1 if i < extra else 0)
-            out.append(self._with(self.keys[start:end], self.tags[start:end]))
-            start = end
-        return out
+        return [self._with(self.keys[a:b], self.tags[a:b])
+                for a, b in chunk_bounds(self.size, chunks, "KVBatchMeta", "keys")]
 
     @classmethod
     def concat(cls, data: list["KVBatchMeta"]) -> "KVBatchMeta":
@@ -111,3 +103,18 @@ def _same(a, b) -> bool:
         return bool(eq.all()) if hasattr(eq, "all") else bool(eq)
     except Exception:  # values that do not compare (e.g. tensors of other shapes)
         return a is b
+
+
+def chunk_bounds(size: int, chunks: int, what: str, items: str) -> list[tuple[int, int]]:
+    """``chunks`` consecutive ``(start, end)`` ranges over ``size`` items whose lengths differ
+    by at most one, the first ones longer (TransferQueue's chunking of a batch); warns when
+    some are empty."""
+    if size < chunks:
+        log.warning("%s.chunk: %d chunks of %d %s, some are empty", what, chunks, size, items)
+    base, extra = divmod(size, chunks)
+    out, start = [], 0
+    for i in range(chunks):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out

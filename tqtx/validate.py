@@ -420,6 +420,7 @@ ARGUMENTS: dict[str, dict[str, Kind]] = {
     "load_data_by_key": {"dump_dir": PATH, "partition_id": Maybe(PARTITION), "via": VIA},
     "recover_data_load": {"dump_dir": PATH, "cancel": FLAG},
     "list_restores": {"partition_id": Maybe(PARTITION)},
+    "list_lost_keys": {"partition_id": Maybe(PARTITION)},
     "read_row_index": {"dump_dir": PATH},
 }
 
@@ -435,6 +436,8 @@ def _one_sample(where: str, args: dict) -> None:
 
 def _column_problem(value, n: int) -> str | None:
     """Why one value of kv_batch_put's dict of columns is not a column of ``n`` rows."""
+    if getattr(value, "is_nested", False):  # a jagged tensor has no shape, only rows
+        return None if value.size(0) == n else f"a nested tensor of {value.size(0)} rows"
     shape = getattr(value, "shape", None)
     if shape is not None and not isinstance(value, (str, bytes)):
         return None if len(shape) >= 1 and shape[0] == n else f"shape {list(shape)}"
@@ -454,7 +457,7 @@ def _batch_per_key(where: str, args: dict) -> None:
     if is_tensordict(fields) and tuple(fields.batch_size)[:1] != (n,):
         raise ValueError(f"{where}: fields must be a batch of {n} rows (one per key); got "
                          f"a TensorDict of batch size {list(fields.batch_size)}")
-    if isinstance(fields, Mapping):
+    if isinstance(fields, Mapping) and not is_tensordict(fields):  # its batch_size says it
         for name, value in fields.items():
             why = _column_problem(value, n)
             if why:

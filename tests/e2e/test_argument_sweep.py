@@ -154,6 +154,7 @@ def baselines(root: Path) -> dict:
                              "via": ("units", never)},
         "recover_data_load": {"dump_dir": (root / "dump-ab", never), "cancel": (False, is_bool)},
         "list_restores": {"partition_id": (P, optional(partition_ok))},
+        "list_lost_keys": {"partition_id": (P, optional(partition_ok))},
         "read_row_index": {"dump_dir": (root / "dump-ab", never)},
     }
 
@@ -188,7 +189,8 @@ def visible(root: Path, state: Path) -> tuple:
 
 def serves_a_put_and_a_get() -> None:
     tq.kv_put("probe", "sweep-probe", {"x": torch.full((3,), 7.0)})
-    assert tq.kv_batch_get(["probe"], "sweep-probe")["x"].tolist() == [[7.0] * 3]
+    x = tq.kv_batch_get(["probe"], "sweep-probe")["x"]  # jagged: TransferQueue's shape
+    assert [row.tolist() for row in x.unbind()] == [[7.0] * 3]
     tq.kv_clear(["probe"], "sweep-probe")
 
 

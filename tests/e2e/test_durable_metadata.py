@@ -498,6 +498,18 @@ def test_crash_of_the_whole_job_starts_empty_and_says_so(tq_start, tmp_path):
         assert "startup: dropped 6 keys in 2 partitions" in f.read()
 
 
+def test_controller_restart_with_live_units_holding_no_row_keeps_every_key(tq_start):
+    """Tag-only keys and a unit emptied by clears: the units hold no row, yet they served
+    the old controller, so the deployment is alive and its keys stay (not a dead buffer)."""
+    tq_start(2)
+    tq.kv_put("t", PID, tag={"status": "running"})
+    tq.kv_put("gone", PID, {"v": torch.ones(3)})
+    tq.kv_clear(["gone"], PID)
+    _restart_controller()
+    assert tq.kv_list(PID) == {PID: {"t": {"status": "running"}}}
+    assert _stats()["controller"]["keys"] == 1
+
+
 # --------------------------------------------------------------------------- 7. compaction
 def _journal_sizes(state_dir) -> tuple[int, int]:
     base = os.path.join(state_dir, "journal.sqlite")

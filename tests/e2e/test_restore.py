@@ -13,6 +13,10 @@ from buffers import assert_same_rows, assert_same_value, rollout_batch
 from tqtx import RestorePendingError
 from tqtx import format as fmt
 
+# These tests compare dense columns and expect KeysNotFoundError for missing keys:
+# tqtx's strict mode (docs/compatibility.md); the fence is the same in both modes.
+pytestmark = pytest.mark.strict
+
 
 def journal_json(state_dir=None, dump_dir=None) -> dict:
     args = ["tqtx", "journal", "show", "--json"]

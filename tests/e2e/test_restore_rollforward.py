@@ -13,6 +13,10 @@ import tqtx as tq
 from buffers import assert_same_value, rollout_batch, rows_of
 from tqtx import RestorePendingError, api
 
+# These tests compare dense columns and expect KeysNotFoundError for missing keys:
+# tqtx's strict mode (docs/compatibility.md); the fence is the same in both modes.
+pytestmark = pytest.mark.strict
+
 N_UNITS = 3
 
 

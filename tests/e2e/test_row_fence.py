@@ -18,6 +18,10 @@ import tqtx as tq
 from tqtx import faults
 from tqtx import format as fmt
 
+# These tests compare dense columns and expect KeysNotFoundError for missing keys:
+# tqtx's strict mode (docs/compatibility.md); the fence is the same in both modes.
+pytestmark = pytest.mark.strict
+
 P = "fence"
 
 
@@ -104,7 +108,7 @@ def test_put_that_raced_a_clear_and_reuse_leaves_the_other_key_alone(dep, race):
 
 
 def test_put_of_a_new_key_abandoned_meanwhile_is_redone(dep, race):
-    client = tq.get_client()
+    client = tq.get_client()._client  # the internal client (get_client is the data plane)
 
     def abandon_and_reuse():
         # a second put of the same new key fails: its ALLOC saw the key pending, its
@@ -130,7 +134,7 @@ def test_clear_whose_drop_comes_after_the_index_was_reused_drops_nothing_else(de
 
 
 def test_failed_put_leaves_no_row_of_its_new_keys(dep, monkeypatch):
-    client = tq.get_client()
+    client = tq.get_client()._client  # the internal client (get_client is the data plane)
     real = client.fan_out
 
     def put_fails_on_one_unit(op, per_unit, *args, **kwargs):
@@ -205,7 +209,7 @@ def test_checkpoint_leaves_out_a_key_cleared_while_it_ran(dep, race, tmp_path):
 
 
 def test_every_request_names_generations_and_units_refuse_other_ones(dep):
-    client = tq.get_client()
+    client = tq.get_client()._client  # the internal client (get_client is the data plane)
     _put(["a"], 1)
     meta = client.controller.call("LOOKUP", {"partition_id": P, "keys": ["a"],
                                              "select_fields": None})
@@ -227,7 +231,7 @@ def test_generations_are_never_given_twice_across_controller_restarts(tq_start, 
     seen = set()
     for _ in range(2):
         tq_start(num_units=1, state_dir=state, durability="normal")
-        client = tq.get_client()
+        client = tq.get_client()._client  # the internal client (get_client is the data plane)
         for i in range(3):
             alloc = client.controller.call("ALLOC", {"partition_id": P, "keys": [f"k{i}"],
                                                      "schemas": {}})

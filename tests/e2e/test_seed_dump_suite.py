@@ -168,11 +168,12 @@ def test_errors(pid, dump_dir):
     _put_rows(pid, ["m0", "m1"])
     tq.dump_data_by_key(dump_dir, ["m0", "m1"], pid)
     info = json.loads((dump_dir / fmt.MANIFEST).read_text())
+    version = info["format_version"]
     info["format_version"] = 99
     (dump_dir / fmt.MANIFEST).write_text(json.dumps(info))
     with pytest.raises(ValueError, match="Unsupported dump format version"):
         tq.load_data_by_key(dump_dir)
-    info["format_version"] = 1
+    info["format_version"] = version
     (dump_dir / fmt.MANIFEST).write_text(json.dumps(info))
     next((dump_dir / fmt.SHARDS_DIR).glob("*.bin")).unlink()
     with pytest.raises(FileNotFoundError, match="shard file is missing"):

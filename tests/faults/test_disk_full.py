@@ -22,7 +22,8 @@ import tqtx as tq
 from tqtx import api
 from tqtx.errors import JournalWriteError
 
-pytestmark = pytest.mark.timeout(300)
+# dense columns compared: strict mode (docs/compatibility.md)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.strict]
 
 
 @pytest.fixture

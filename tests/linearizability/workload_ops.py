@@ -262,7 +262,10 @@ def worker_main(proc: int, cfg: dict, end: float) -> None:
     torch.set_num_threads(1)
     import tqtx as tq
     try:
-        tq.init(address=cfg["address"], config={"timeout": cfg["timeout"]})
+        # strict: a get of a missing key raises KeysNotFoundError naming it, so every value
+        # read is attributed to its key (TransferQueue's default leaves missing keys out of
+        # the result; the fence under both is the same get_rows path)
+        tq.init(address=cfg["address"], config={"timeout": cfg["timeout"], "strict": True})
         worker = Worker(proc, cfg)
         while time.monotonic() < end:
             worker.step()

@@ -7,7 +7,8 @@ TransferQueue-shaped code that samples ``kv_list`` never picks a row it cannot r
 
 After the whole job crashed (controller and every unit gone), the replayed metadata names
 rows no process holds any more. When every unit of the new start reports that it holds no
-row at all, the buffer is dropped: the controller starts empty, as TransferQueue does, logs
+row at all and none of them served an earlier controller (each is a new process), the
+buffer is dropped: the controller starts empty, as TransferQueue does, logs
 how many keys of the dead deployment went, and journals a recovery event of kind
 ``buffer`` (``tqtx journal show --state-dir D``). A controller that restarted alone finds
 its units still holding their rows and keeps everything.
@@ -44,8 +45,10 @@ class DeadBufferCheck:
         self.kept: set[int] = set()  # units that reported rows (or did not report)
         self.done = self.keys == 0
 
-    def unit_reported(self, uid: int, held) -> None:
-        if held is None or held.get("indexes"):
+    def unit_reported(self, uid: int, held, attached: bool) -> None:
+        """``attached``: the unit's process served an earlier controller of this
+        deployment (it outlived a controller restart), so the deployment is alive."""
+        if held is None or held.get("indexes") or attached:
             self.kept.add(uid)
 
     def settle(self, ctl) -> None:

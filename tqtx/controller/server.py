@@ -159,7 +159,7 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
         if stale and held:
             drop = [[i, g] for i, g in zip(held.get("indexes") or (), held.get("gens") or ())]
-        self.dead_buffer.unit_reported(uid, held)
+        self.dead_buffer.unit_reported(uid, held, body.get("attached", True))
         self.awaiting_units.discard(uid)
         if not self.awaiting_units:
             self.dead_buffer.settle(self)

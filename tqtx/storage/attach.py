@@ -90,7 +90,10 @@ class UnitAttach:
             snapshot, gens = dict(rows), dict(self.gens)
             staged = self.restore.staged_ids()
             faults.hit("unit.register.after_snapshot")
+            # "attached": this process served an earlier controller, so the deployment it
+            # belongs to is alive even if it holds no row (tag-only keys, all cleared)
             body = {"unit_id": self.unit_id, "address": self.address,
+                    "attached": self.incarnation is not None,
                     "held": held_report(snapshot, gens), "staged": staged,
                     "checkpoint": {"applied": self.checkpoints.applied,
                                    "staged": list(self.checkpoints.staged)}}
