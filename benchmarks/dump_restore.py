@@ -3,8 +3,9 @@
 
 Everything runs in one process against one embedded deployment, on the same data, with
 the variants alternating inside every repetition (the order rotates per repetition) and
-the median reported. See docs/performance.md for what each variant means. ``tqtx bench``
-runs this file (from a source checkout).
+the median reported. docs/performance.md, *What is measured*, says what each variant
+does; *How to reproduce* gives the command lines of its figures. ``tqtx bench`` runs this
+file (from a source checkout).
 
     python benchmarks/dump_restore.py                 # default: 64 and 256 MiB, 1k/10k keys
     python benchmarks/dump_restore.py --dir /dev/shm/tqtx-bench --json shm.json

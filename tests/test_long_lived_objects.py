@@ -2,7 +2,7 @@
 
 A unit's small objects share pymalloc's 1 MiB arenas with the rows' metadata; an object
 made while many rows were held and kept after they are cleared keeps its arena mapped
-(docs/performance.md, part 8). The reply cache, a unit's applied restores and the
+(docs/performance.md, *Unit memory*). The reply cache, a unit's applied restores and the
 request metrics therefore keep what they record in preallocated memory; these tests count
 the blocks still allocated after many requests, by the file that allocated them."""
 from __future__ import annotations
@@ -159,9 +159,9 @@ def test_a_peer_and_a_server_loop_keep_nothing_from_one_request_to_the_next():
     time's float, the last poll result, the last sender's identity, was made while the
     previous one was still alive, so it landed in the same pymalloc pool, over and over:
     that pool, and its arena, could never empty after a clear (docs/performance.md,
-    part 9). So would the last deferred reply's sender, request ID and op, and the table of
-    the dict of pending requests, once empty (part 10). Counted in a process of its own:
-    no other test's threads allocate there."""
+    *Unit memory*). So would the last deferred reply's sender, request ID and op, and the
+    table of the dict of pending requests, once empty. Counted in a process of its own: no
+    other test's threads allocate there."""
     out = subprocess.run([sys.executable, "-c", _PEER_AND_LOOP], check=True,
                          capture_output=True, text=True, timeout=120).stdout.split()
     assert out == ["0", "0"], out
@@ -215,7 +215,7 @@ def test_a_units_threads_sleep_without_keeping_objects_alive():
     """The trimmer and the heartbeat sleep nearly all the time. An Event.wait there keeps
     a lock and an argument tuple alive while it waits, made anew each time wherever the
     allocator has room, and after a clear that pinned an arena the rows had filled
-    (docs/performance.md, part 10); memory.pause makes none."""
+    (docs/performance.md, *Unit memory*); memory.pause makes none."""
     from tqtx.storage.memory import pause
 
     # the reference: the same loop with Event.wait does keep blocks alive while waiting
@@ -230,8 +230,8 @@ def test_a_units_threads_sleep_without_keeping_objects_alive():
 def test_a_unit_starts_its_io_threads_and_their_wake_sockets_before_it_serves():
     """A thread started (or a thread's wake-up socket made) in the middle of a big restore
     lives as long as the unit, in memory the restored rows' objects used: after a clear,
-    its arena stayed mapped (docs/performance.md, part 10). A unit makes all of them as it
-    starts."""
+    its arena stayed mapped (docs/performance.md, *Unit memory*). A unit makes all of them
+    as it starts."""
     from tqtx.storage.unit import IO_THREADS, StorageUnit
 
     before = {t.ident for t in threading.enumerate()}

@@ -65,7 +65,7 @@ def test_restored_records_share_dtype_and_shape_objects():
 
 def test_a_unit_whose_last_row_is_dropped_forgets_the_shapes_its_rows_shared():
     """The shared shapes were made amid the rows' objects; kept after the last row went,
-    they would hold the memory pages under them (docs/performance.md, unit memory)."""
+    they would hold the memory pages under them (docs/performance.md, *Unit memory*)."""
     from tqtx.storage.unit import StorageUnit
     from tqtx.wire import values
 

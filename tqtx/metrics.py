@@ -37,7 +37,7 @@ _NB = len(BUCKETS_MS) + 1
 # An OpRecord's numbers live in one preallocated array of doubles, not in int and float
 # objects: updating an attribute would leave a fresh number object alive until the next
 # request of that op, and one allocated while a unit held many rows keeps the 1 MiB
-# pymalloc arena it sits in mapped after the rows are gone (docs/performance.md, part 8).
+# pymalloc arena it sits in mapped after the rows are gone (docs/performance.md, *Unit memory*).
 # Doubles count exactly up to 2**53.
 _COUNT, _ERRORS, _SECONDS, _MAX, _IN, _OUT, _BUCKET0 = range(7)
 

@@ -8,7 +8,7 @@ import sys
 
 def main(argv=None) -> int:
     from .memory import single_arena
-    single_arena()  # before the first thread (docs/performance.md, unit memory)
+    single_arena()  # before the first thread (docs/performance.md, *Unit memory*)
     ap = argparse.ArgumentParser(prog="python -m tqtx.storage")
     ap.add_argument("--controller", required=True)
     ap.add_argument("--unit-id", type=int, required=True)
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import gc
     gc.freeze()  # start-up objects stay out of every later collection (and the trimmer's)
     from .memory import FEW_ROWS, start_trimmer
-    # freed row memory goes back to the OS (docs/performance.md, unit memory)
+    # freed row memory goes back to the OS (docs/performance.md, *Unit memory*)
     unit.trimmer = start_trimmer(collect_if=lambda: len(unit.rows) <= FEW_ROWS)
     unit.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
     unit.serve_forever()

@@ -75,7 +75,7 @@ def pause(stop: threading.Event, seconds: float) -> bool:
     most of the time (the trimmer, the heartbeat): ``stop.wait(seconds)`` would return as
     soon as it is set, but it makes a lock and an argument tuple that are alive while it
     waits, so nearly always, and they pin whatever pymalloc pool (and 1 MiB arena) they
-    landed in, perhaps one the rows filled (docs/performance.md, part 10)."""
+    landed in, perhaps one the rows filled (docs/performance.md, *Unit memory*)."""
     time.sleep(seconds)
     return stop.is_set()
 
@@ -95,13 +95,14 @@ class Trimmer:
         # Before a quiet trim, a full collection when collect_if() says it is cheap (a
         # unit holding few rows): it empties the interpreter's free lists (tuples, dicts,
         # floats kept for reuse); after a clear, those objects, spread over the arenas the
-        # rows used, kept 1-2 MiB a unit resident (measured; docs/performance.md).
+        # rows used, kept 1-2 MiB a unit resident (measured; docs/performance.md, *Unit memory*).
         self.collect_if = collect_if
         self._stop = threading.Event()
         # base (free bytes growth is measured from), last (free bytes at the last check),
         # same (consecutive checks that saw the same free bytes), trims done. In an array:
         # an int kept from one check to the next would be made beside the last one, in the
-        # same pymalloc pool, and keep that pool's arena mapped (docs/performance.md, part 9)
+        # same pymalloc pool, and keep that pool's arena mapped (docs/performance.md,
+        # *Unit memory*)
         free = free_bytes() or 0
         self._n = array("q", [free, free, 0, 0])
         self._moved = False  # free bytes changed since the last trim

@@ -53,7 +53,7 @@ IO_THREADS = 4
 def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
     """Start every thread of ``pool`` now (it starts them lazily, one a busy submit): a
     thread's objects live as long as it does, and one started during a big restore would
-    keep the memory pages the restored rows' objects used (docs/performance.md, part 10).
+    keep the memory pages the restored rows' objects used (docs/performance.md, *Unit memory*).
     False if they did not all start within ``timeout`` (the rest then start when needed:
     a unit is not refused for this)."""
     gate = threading.Barrier(IO_THREADS + 1)
@@ -243,7 +243,7 @@ class StorageUnit(UnitAttach):
 
     def _emptied(self) -> None:
         """The last row went: let go of what only rows needed, so the memory pages it sits
-        on can go back to the OS (docs/performance.md, unit memory). A dict keeps its
+        on can go back to the OS (docs/performance.md, *Unit memory*). A dict keeps its
         table at its largest size; clear() frees it (the same dict: others hold it)."""
         self.rows.clear()
         self.gens.clear()

@@ -17,7 +17,8 @@ EXT_TENSOR_FRAME = 1   # payload: [dtype, shape, frame_number]
 EXT_TENSOR_INLINE = 2  # payload: [dtype, shape, bytes]
 # libzmq (4.3) receives into shared buffers of ZMQ_IN_BATCH_SIZE and hands out a frame that
 # fits one as a view into it: a receiver keeping such a frame keeps the whole buffer, and
-# the freed buffers leave holes between the frames it keeps (a unit's RSS, docs/performance.md).
+# the freed buffers leave holes between the frames it keeps (a unit's RSS:
+# docs/performance.md, *Unit memory*).
 ZMQ_RECV_BATCH = 8192
 # Tensors up to that size travel in the header, so every frame a unit stores is an
 # allocation of its own.

@@ -6,9 +6,9 @@ the recorded outcome. Kept as dict entries, every outcome is a few small objects
 string, value bytes, dict or list) that live for thousands of requests; those made while
 a unit held many rows sit among the rows' small objects in pymalloc's 1 MiB arenas, and
 one survivor keeps its whole arena mapped after the rows are cleared (docs/performance.md,
-part 8). Here an entry is bytes in one anonymous mapping made at start-up (slots written
-round-robin, the oldest replaced first) plus a slot number in an open-addressing table
-(an ``array``): inserting and finding allocate only transient objects.
+*Unit memory*). Here an entry is bytes in one anonymous mapping made at start-up (slots
+written round-robin, the oldest replaced first) plus a slot number in an open-addressing
+table (an ``array``): inserting and finding allocate only transient objects.
 
 An entry whose key and value do not fit a slot (large replies, rare), or whose value is
 not bytes (a reply of several frames), is kept in an ordinary bounded dict instead.

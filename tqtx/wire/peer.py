@@ -50,7 +50,7 @@ class Peer:
         # The numbers a long-lived peer (a unit's heartbeat) updates at every request live in
         # arrays: a new int or float kept until the next request would be made beside the
         # last one, in the same pymalloc pool, so that pool could never empty (a unit's
-        # memory after a clear; docs/performance.md, part 9).
+        # memory after a clear; docs/performance.md, *Unit memory*).
         self._counts = array("q", bytes(8 * 3))  # payload frames, payload bytes, header bytes
         self._sent = array("d", [0.0])
 

@@ -241,7 +241,7 @@ class Server:
         pending.pop(rid, None)
         if not pending:
             # an empty dict keeps its table, made wherever the last deferred call's insert
-            # found room: that would pin its pymalloc pool (docs/performance.md, part 10)
+            # found room: that would pin its pymalloc pool (docs/performance.md, *Unit memory*)
             pending.clear()
 
     def _record(self, timing: list, frames, error: bool) -> None:
@@ -321,7 +321,7 @@ class Server:
             woken, readable = self._wake in events, self.socket in events
             # Nothing made in one turn may live into the next: made beside its predecessor,
             # each turn's object would land in the same pymalloc pool, and that pool (with its
-            # arena) could never empty (docs/performance.md, part 9).
+            # arena) could never empty (docs/performance.md, *Unit memory*).
             events = None
             if woken:
                 while True:
