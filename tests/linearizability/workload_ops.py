@@ -182,7 +182,10 @@ class Worker:
                 there = listed.get(p, {})
                 for _, k in self.space.of(p):
                     values[(p, k)] = LISTED if k in there else UNLISTED
-                    tags[(p, k)] = tag_value(there[k]) if k in there else ABSENT
+                    # A key left out is absent or lost; a lost key keeps its tag (a
+                    # checkpoint saves it), so only a listed key's tag is observed.
+                    if k in there:
+                        tags[(p, k)] = tag_value(there[k])
             return values, tags
         self.run_op("list", call)
 
