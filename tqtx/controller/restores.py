@@ -60,49 +60,6 @@ class RestoreCoordinator:
         self.require_units, self.topology, self.defer = require_units, topology, defer
         self.plans: dict[str, RestorePlan] = {}  # unresolved restores, by restore ID
 
-    # ---------------------------------------------------------------- what others ask
-    def __len__(self) -> int:
-        return len(self.plans)
-
-    def __contains__(self, restore_id: str) -> bool:
-        return restore_id in self.plans
-
-    def loading_into(self, pid: str) -> bool:
-        """Whether an unresolved restore loads into partition ``pid``."""
-        return self._unresolved_in(pid) is not None
-
-    def refuse(self, what: str, pid: str | None = None) -> None:
-        """RestorePendingError refusing ``what`` if a restore into ``pid`` (any partition
-        when None) is unresolved."""
-        plan = next(iter(self.plans.values()), None) if pid is None else self._unresolved_in(pid)
-        if plan is not None:
-            raise self._pending_error(plan, what)
-
-    def resume(self, plan: RestorePlan) -> None:
-        """Hold a ``committing`` restore an earlier incarnation left, from its stored plan:
-        its new indexes are reserved again until the roll-forward publishes them."""
-        self.plans[plan.restore_id] = plan
-        gen_of = {r.index: r.gen for r in plan.rows}
-        self.meta.reserve(plan.restore_id, plan.new_indexes, [gen_of[i] for i in plan.new_indexes])
-
-    def _unresolved_in(self, pid: str) -> RestorePlan | None:
-        for plan in self.plans.values():
-            if plan.partition_id == pid:
-                return plan
-        return None
-
-    def _pending_error(self, plan: RestorePlan, what: str) -> RestorePendingError:
-        rec = self.journal.get_restore(plan.restore_id) or {}
-        units = st.unit_states(rec)
-        reason = st.pending_reason(units.values())
-        if str(rec.get("reason") or "").startswith(st.REDO_FAILED):
-            reason = st.REDO_FAILED
-        err = RestorePendingError(restore_id=plan.restore_id, dump_dir=plan.dump_dir,
-                                  reason=reason, units=units, partition_id=plan.partition_id)
-        return RestorePendingError(f"{what} refused: {err.describe()}", restore_id=plan.restore_id,
-                                   dump_dir=plan.dump_dir, reason=reason, units=units,
-                                   partition_id=plan.partition_id)
-
     # ---------------------------------------------------------------- begin
     def validate_dump_schema(self, body, req):
         """SchemaConflictError if a field of the dump has a schema the partition's refuses."""
@@ -455,3 +412,47 @@ class RestoreCoordinator:
         self._release(plan)
         self.plans.pop(rid, None)
         log.error("restore %s: failed (%s)", rid, reason)
+
+    # ---------------------------------------------------------------- after a restart
+    def resume(self, plan: RestorePlan) -> None:
+        """Hold a ``committing`` restore an earlier incarnation left, from its stored plan:
+        its new indexes are reserved again until the roll-forward publishes them."""
+        self.plans[plan.restore_id] = plan
+        gen_of = {r.index: r.gen for r in plan.rows}
+        self.meta.reserve(plan.restore_id, plan.new_indexes, [gen_of[i] for i in plan.new_indexes])
+
+    # ---------------------------------------------------------------- what others ask
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __contains__(self, restore_id: str) -> bool:
+        return restore_id in self.plans
+
+    def loading_into(self, pid: str) -> bool:
+        """Whether an unresolved restore loads into partition ``pid``."""
+        return self._unresolved_in(pid) is not None
+
+    def refuse(self, what: str, pid: str | None = None) -> None:
+        """RestorePendingError refusing ``what`` if a restore into ``pid`` (any partition
+        when None) is unresolved."""
+        plan = next(iter(self.plans.values()), None) if pid is None else self._unresolved_in(pid)
+        if plan is not None:
+            raise self._pending_error(plan, what)
+
+    def _unresolved_in(self, pid: str) -> RestorePlan | None:
+        for plan in self.plans.values():
+            if plan.partition_id == pid:
+                return plan
+        return None
+
+    def _pending_error(self, plan: RestorePlan, what: str) -> RestorePendingError:
+        rec = self.journal.get_restore(plan.restore_id) or {}
+        units = st.unit_states(rec)
+        reason = st.pending_reason(units.values())
+        if str(rec.get("reason") or "").startswith(st.REDO_FAILED):
+            reason = st.REDO_FAILED
+        err = RestorePendingError(restore_id=plan.restore_id, dump_dir=plan.dump_dir,
+                                  reason=reason, units=units, partition_id=plan.partition_id)
+        return RestorePendingError(f"{what} refused: {err.describe()}", restore_id=plan.restore_id,
+                                   dump_dir=plan.dump_dir, reason=reason, units=units,
+                                   partition_id=plan.partition_id)
