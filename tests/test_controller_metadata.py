@@ -25,9 +25,10 @@ class _AfterReply:
 
 class _Describer(KVRequests):
     def __init__(self, meta: Metadata):
-        self.meta, self.num_units, self.topology_incarnation = meta, 4, 7
-        self.held_tags = HeldTags()
         self.server = _AfterReply()
+        super().__init__(meta=meta, journal=None, metajournal=None, units={}, num_units=4,
+                         incarnation=0, restores=None, require_units=None, topology=lambda: 7,
+                         after_reply=self.server.after_reply)
 
 
 def _put(meta: Metadata, pid: str, keys: list[str], fields: list[str], tags=None):

@@ -221,3 +221,9 @@ def pending_reason(unit_states: Iterable[str]) -> str:
     """Why an open restore is pending: :data:`UNIT_RUNNING` while a unit holds its claim,
     else :data:`IN_PROGRESS`."""
     return UNIT_RUNNING if CLAIMED in list(unit_states) else IN_PROGRESS
+
+
+def unit_states(rec: dict) -> dict[int, str]:
+    """``{unit: claim state}`` of a restore's journal record (``rec["units"]``, as
+    ``ControllerJournal.get_restore`` and ``unresolved_restores`` return it)."""
+    return {u["unit_id"]: u["state"] for u in rec.get("units", ())}

@@ -7,20 +7,25 @@ units to client directly. Consumption is TransferQueue's: a task consumed a samp
 load or the end of the buffer forget it), per ``(partition, task)`` as ``{index: key}``,
 so a cleared key whose index goes to another key is not consumed for it.
 
-:class:`DataPlaneRequests` is mixed into :class:`tqtx.controller.server.Controller`.
+:class:`tqtx.controller.server.Controller` owns one :class:`DataPlaneRequests` and registers
+its handlers; CLEAR, CHECKPOINT_REPLACE and END_BUFFER go through it to the KV requests, so
+the consumption they make stale is forgotten with them.
 """
 from __future__ import annotations
 
-from .metadata import EMPTY
+from .kv import KVRequests
+from .metadata import EMPTY, Metadata
 
 FETCH_MODES = ("fetch", "force_fetch")
 
 
 class DataPlaneRequests:
     """Handlers of KV_META, KV_KEYS, STREAM_META, CONSUMPTION, PRODUCTION,
-    RESET_CONSUMPTION, PARTITIONS and DATAPLANE_OPTIONS."""
+    RESET_CONSUMPTION, PARTITIONS and DATAPLANE_OPTIONS, and the forgetting forms of CLEAR,
+    CHECKPOINT_REPLACE and END_BUFFER."""
 
-    def _init_dataplane(self) -> None:
+    def __init__(self, *, meta: Metadata, kv: KVRequests):
+        self.meta, self.kv = meta, kv
         self.consumed: dict[tuple[str, str], dict[int, str]] = {}
         self.polling_mode = False
 
@@ -141,7 +146,7 @@ class DataPlaneRequests:
     # ---------------------------------------------------------------- forgetting
     def clear_forgetting(self, body, req):
         """CLEAR, and the cleared keys' consumption goes with them."""
-        out = self.clear(body, req)
+        out = self.kv.clear(body, req)
         freed = set(out.get("freed") or ())
         if freed:
             for (pid, _task), done in self.consumed.items():
@@ -152,11 +157,11 @@ class DataPlaneRequests:
 
     def replace_forgetting(self, body, req):
         """CHECKPOINT_REPLACE: the checkpoint's samples start unconsumed."""
-        out = self.checkpoint_replace(body, req)
+        out = self.kv.checkpoint_replace(body, req)
         self.consumed.clear()
         return out
 
     def end_forgetting(self, body, req):
-        out = self.end_buffer(body, req)
+        out = self.kv.end_buffer(body, req)
         self.consumed.clear()
         return out

@@ -1,11 +1,14 @@
-"""The controller's KV requests: ALLOC, COMMIT_PUT, LOOKUP, LIST, CLEAR, DESCRIBE, checkpoints.
+"""The controller's KV requests: ALLOC, COMMIT_PUT, LOOKUP, LIST, CLEAR, DESCRIBE, checkpoints,
+the end of the buffer.
 
 Each request that changes metadata builds its :class:`~tqtx.journal.meta.MetaChange` first,
-writes it to the journal (:meth:`KVRequests._journal_meta`), then changes memory and replies:
+writes it to the journal (:meth:`KVRequests.journal_meta`), then changes memory and replies:
 a reply that says "done" always follows a committed journal transaction, and a failed write
 leaves memory as it was.
 
-:class:`KVRequests` is mixed into :class:`tqtx.controller.server.Controller`.
+:class:`tqtx.controller.server.Controller` owns one :class:`KVRequests` and registers its
+handlers. A partition an unresolved restore loads into refuses new keys and clears: KV
+requests ask the restores through :class:`RestoreGate` only.
 """
 from __future__ import annotations
 
@@ -13,17 +16,17 @@ import logging
 import time
 from collections import OrderedDict
 from itertools import repeat
+from typing import Callable, Protocol
 
 from .. import faults
 from .. import states as st
-from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError, \
-    SchemaConflictError
-from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange
+from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError
+from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange, MetaJournal
+from ..journal.store import ControllerJournal
 from ..wire.columns import pack_int64
-from ..wire.peer import call_many
-from ..schema import check_schema_compatible
 from .lost import lost_keys
-from .metadata import EMPTY
+from .metadata import EMPTY, Metadata
+from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")
 
@@ -68,10 +71,39 @@ class HeldTags:
         return len(self._held)
 
 
-class KVRequests:
-    """Request handlers for keys and their metadata (no payload)."""
+class RestoreGate(Protocol):
+    """What KV requests ask of the restores (:class:`~tqtx.controller.restores.RestoreCoordinator`)."""
 
-    def _journal_meta(self, op: str, change: MetaChange) -> None:
+    def loading_into(self, pid: str) -> bool:
+        """Whether an unresolved restore loads into partition ``pid``."""
+
+    def refuse(self, what: str, pid: str | None = None) -> None:
+        """RestorePendingError refusing ``what`` while a restore into ``pid`` (any when None)
+        is unresolved."""
+
+
+class KVRequests:
+    """Request handlers for keys and their metadata (no payload), and the checkpoint load
+    in progress.
+
+    ``require_units(what)`` raises while a replayed buffer waits for its units;
+    ``topology()`` is the current topology incarnation; ``after_reply(fn)`` runs ``fn`` on
+    the server's loop once the reply being built has left."""
+
+    def __init__(self, *, meta: Metadata, journal: ControllerJournal, metajournal: MetaJournal,
+                 units: UnitPeers, num_units: int, incarnation: int, restores: RestoreGate,
+                 require_units: Callable[[str], None], topology: Callable[[], int],
+                 after_reply: Callable[[Callable[[], None]], None]):
+        self.meta, self.journal, self.metajournal = meta, journal, metajournal
+        self.units, self.num_units, self.incarnation = units, num_units, incarnation
+        self.restores, self.require_units = restores, require_units
+        self.topology, self.after_reply = topology, after_reply
+        self.held_tags = HeldTags()
+        # a load_checkpoint whose switch is open: (load ID, its rows' generation base)
+        self.checkpoint_load: tuple[str, int] | None = None
+        self.replace_epoch = 0  # buffer replacements (checkpoint loads, ends) so far
+
+    def journal_meta(self, op: str, change: MetaChange) -> None:
         """Write ``change`` (one transaction) with the ``controller.meta.<op>.*`` points."""
         faults.hit(f"controller.meta.{op}.before_commit")
         self.metajournal.write(change)
@@ -81,17 +113,16 @@ class KVRequests:
         """Resolve keys to indexes after validating schemas; new keys become pending (not
         visible until COMMIT_PUT)."""
         pid, keys, schemas = body["partition_id"], body["keys"], body.get("schemas") or {}
-        self._require_units("ALLOC")
+        self.require_units("ALLOC")
         part = self.meta.partition(pid)
         self.meta.validate_schemas(part, schemas)
-        plan = self._unresolved_in(pid)
-        if plan is not None and (part is None or any(
+        if self.restores.loading_into(pid) and (part is None or any(
                 k not in part.keys and k not in part.pending for k in keys)):
-            raise self._pending_error(plan, f"creating keys in partition {pid!r}")
+            self.restores.refuse(f"creating keys in partition {pid!r}", pid)
         indexes, gens = self.meta.alloc(pid, keys, schemas)
         visible = self.meta.partitions[pid].keys
         return {"indexes": indexes, "gens": gens, "pending": [k not in visible for k in keys],
-                "topology": self.topology_incarnation}
+                "topology": self.topology()}
 
     def commit_put(self, body, req):
         """Publish the fields (and merge the tags) of rows the units now hold.
@@ -114,7 +145,7 @@ class KVRequests:
                     return {"fields": [], "stale": stale}
         change, updates, common = self.meta.plan_commit(
             pid, keys, body.get("fields") or [], tags)
-        self._journal_meta("commit_put", change)
+        self.journal_meta("commit_put", change)
         self.meta.apply_commit(pid, updates)
         faults.hit("controller.meta.commit_put.before_reply")
         out = {"fields": common}
@@ -139,7 +170,7 @@ class KVRequests:
         pid, keys, select = body["partition_id"], body["keys"], body.get("select_fields")
         lenient = bool(body.get("lenient"))
         if self.checkpoint_load:  # units still switching to a checkpoint: rows not final yet
-            self._require_units("LOOKUP")
+            self.require_units("LOOKUP")
         part = self.meta.partition(pid)
         if part is None or (lenient and not any(k in part.keys for k in keys)):
             raise KeysNotFoundError(keys, pid)
@@ -168,7 +199,7 @@ class KVRequests:
                         f"{shown} in partition {pid!r}")
         return {"indexes": indexes, "gens": part.gens_of(indexes), "fields": fields,
                 "keys": keys, "schemas": {f: part.schema[f] for f in fields},
-                "num_units": self.num_units, "topology": self.topology_incarnation}
+                "num_units": self.num_units, "topology": self.topology()}
 
     def list_keys(self, body, req):
         """Visible keys with their tags, per partition; keys whose rows were lost are left
@@ -190,15 +221,13 @@ class KVRequests:
 
     def clear(self, body, req):
         pid = body["partition_id"]
-        plan = self._unresolved_in(pid)
-        if plan is not None:
-            raise self._pending_error(plan, f"clearing partition {pid!r}")
+        self.restores.refuse(f"clearing partition {pid!r}", pid)
         part = self.meta.partition(pid)
         if part is None:
             return {"freed": [], "gens": []}
         change, gone = self.meta.plan_clear(part, body["keys"])
         if gone:
-            self._journal_meta("clear", change)
+            self.journal_meta("clear", change)
         freed, gens = self.meta.apply_clear(part, gone)
         faults.hit("controller.meta.clear.before_reply")
         return {"freed": freed, "gens": gens}
@@ -215,7 +244,7 @@ class KVRequests:
             if not keys:
                 return {"indexes": [], "gens": [], "field_sets": [], "fields_of": [],
                         "tags": [], "field_schema": {}, "num_units": self.num_units,
-                        "topology": self.topology_incarnation}
+                        "topology": self.topology()}
             raise PartitionNotFoundError(f"partition {pid!r} does not exist (not found)")
         indexes = part.indexes_of(keys)
         part.check_readable(keys, indexes)  # a dump must not promise rows no unit holds
@@ -239,13 +268,13 @@ class KVRequests:
                 list(map(set_ids.__getitem__, objs))
         out = {"indexes": indexes, "gens": gens, "field_sets": field_sets, "fields_of": fields_of,
                "field_schema": {f: part.schema[f] for f in used}, "num_units": self.num_units,
-               "topology": self.topology_incarnation}
+               "topology": self.topology()}
         hold = body.get("hold_tags")
         if hold:
             # A background dump takes the tags later (TAKE_DUMP_TAGS), off the call path; they
             # are read right after this reply leaves, before any other request can change
             # them (tag dicts are replaced, never changed in place).
-            self.server.after_reply(
+            self.after_reply(
                 lambda: self.held_tags.hold(hold, list(map(part.tags.get, keys))))
         else:
             out["tags"] = [t or {} for t in map(part.tags.get, keys)]
@@ -262,26 +291,9 @@ class KVRequests:
                  body.get("partition_id"), body.get("dump_dir"))
         return {"ok": True}
 
-    def validate_dump_schema(self, body, req):
-        part = self.meta.partition(body["partition_id"])
-        if part is not None:
-            for field, schema in body["field_schema"].items():
-                old = part.schema.get(field)
-                if old is not None:
-                    try:
-                        check_schema_compatible(field, old, schema)
-                    except SchemaConflictError as exc:
-                        raise SchemaConflictError(f"dump is incompatible with partition "
-                                                  f"{body['partition_id']!r}: {exc}") from None
-        return {"ok": True}
-
     # ---------------------------------------------------------------- checkpoint
-    def _refuse_if_restoring(self, what: str) -> None:
-        for plan in self.restores.values():
-            raise self._pending_error(plan, what)
-
     def checkpoint_snapshot(self, body, req):
-        self._refuse_if_restoring("save_checkpoint")
+        self.restores.refuse("save_checkpoint")
         return {"metadata": self.meta.snapshot(), "num_units": self.num_units,
                 "epoch": [self.incarnation, self.replace_epoch]}
 
@@ -310,8 +322,8 @@ class KVRequests:
         units switch (APPLY_CHECKPOINT) and the marker goes. A controller restarted in
         between finds the marker and rolls the switch forward as units re-register
         (:meth:`Controller.register_unit`)."""
-        self._refuse_if_restoring("load_checkpoint")
-        self._require_units("load_checkpoint")
+        self.restores.refuse("load_checkpoint")
+        self.require_units("load_checkpoint")
         snap, load_id = body["metadata"], body.get("load_id")
         gen_base = self.meta.take_gens(self.meta.gen_span(snap))
         change = self.meta.plan_replace(snap, gen_base)
@@ -319,7 +331,7 @@ class KVRequests:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
         if load_id:
             st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
-        self._journal_meta("checkpoint_replace", change)
+        self.journal_meta("checkpoint_replace", change)
         self.meta.replace(snap, gen_base)
         self.replace_epoch += 1
         if load_id:
@@ -331,23 +343,35 @@ class KVRequests:
     def _switch_units(self) -> None:
         """APPLY_CHECKPOINT on every unit; the marker goes once all have switched."""
         load_id, gen_base = self.checkpoint_load
-        uids = [u for u in range(self.num_units) if u in self.unit_peers]
-        results = call_many([(self.unit_peers[u], "APPLY_CHECKPOINT",
-                              {"load_id": load_id, "gen_base": gen_base})
-                             for u in uids], raise_first=False, timeout=60)
+        uids = [u for u in range(self.num_units) if u in self.units]
+        results = self.units.call([(u, "APPLY_CHECKPOINT", {"load_id": load_id,
+                                                            "gen_base": gen_base})
+                                   for u in uids], timeout=60)
         failed = {u: r for u, r in zip(uids, results) if isinstance(r, BaseException)}
         failed.update({u: "not registered" for u in range(self.num_units)
-                       if u not in self.unit_peers})
+                       if u not in self.units})
         if failed:
             raise RuntimeError(
                 "load_checkpoint: the checkpoint's metadata is in place but unit(s) "
                 f"{sorted(failed)} did not switch to its rows ({next(iter(failed.values()))}); "
                 "their rows are named lost (RowsLostError) when they re-register")
-        self._checkpoint_switched()
+        self.checkpoint_switched()
 
-    def _checkpoint_switched(self) -> None:
+    def checkpoint_switched(self) -> None:
+        """Every unit switched to the open checkpoint load: its marker goes."""
         st.check(st.CHECKPOINT_LOAD, st.DECIDED, st.SWITCHED,
                  subject=f"checkpoint load {self.checkpoint_load[0]}")
-        self._journal_meta("checkpoint_replace", MetaChange(
+        self.journal_meta("checkpoint_replace", MetaChange(
             markers={CHECKPOINT_LOAD: None, CHECKPOINT_GEN_BASE: None}))
         self.checkpoint_load = None
+
+    # ---------------------------------------------------------------- end of the buffer
+    def end_buffer(self, body, req):
+        """The deployment's owner is closing it: forget every key, here and in the journal."""
+        self.restores.refuse("closing the buffer")
+        self.journal_meta("end_buffer", MetaChange(replace=True))
+        self.meta.replace({"next_index": 0, "partitions": {}})
+        self.replace_epoch += 1
+        log.info("buffer ended by its owner: metadata discarded")
+        faults.hit("controller.meta.end_buffer.before_reply")
+        return {"ok": True}

@@ -57,12 +57,12 @@ class DeadBufferCheck:
         if self.done:
             return
         self.done = True
-        if self.kept or ctl.restores or ctl.checkpoint_load:
+        if self.kept or ctl.restores or ctl.kv.checkpoint_load:
             return
         detail = (f"{self.keys} keys in {self.partitions} partitions of the previous "
                   f"deployment: no unit held any of their rows at this start (incarnation "
                   f"{ctl.incarnation})")
-        ctl._journal_meta("unit_lost", MetaChange(replace=True))
+        ctl.kv.journal_meta("unit_lost", MetaChange(replace=True))
         ctl.meta.replace({"next_index": 0, "partitions": {}})
         ctl.journal.record_recovery(incarnation_id=ctl.incarnation, kind="buffer",
                                     target=ctl.state_dir, action=st.DROPPED, detail=detail)

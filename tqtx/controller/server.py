@@ -1,6 +1,10 @@
 """The controller process: metadata, restore decisions and the controller journal.
 
-One ROUTER socket, one thread. It never touches payload bytes: units hold them.
+One ROUTER socket, one thread. It never touches payload bytes: units hold them. The
+controller owns its roles -- KV requests (:mod:`tqtx.controller.kv`), restores
+(:mod:`tqtx.controller.restores`), TransferQueue's low-level client requests
+(:mod:`tqtx.controller.dataplane`) -- and registers their handlers; units, their
+registration and the process's facts are here.
 """
 from __future__ import annotations
 
@@ -10,24 +14,32 @@ import socket
 import time
 
 from .. import faults
+from .. import states as st
 from ..errors import ControllerRecoveringError, StateDirInUseError
-from ..journal.meta import MetaChange, MetaJournal, check_durability
+from ..journal.meta import MetaJournal, check_durability
 from ..journal.store import ControllerJournal
 from ..paths import controller_lock_path, controller_owner_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server
 from .dataplane import DataPlaneRequests
-from .kv import HeldTags, KVRequests
+from .kv import KVRequests
 from .lost import DeadBufferCheck
 from .metadata import Metadata
-from .restores import RestorePlan, RestoreProtocol, restore_unit_label
+from .restores import RestoreCoordinator
 from .startup import replay
+from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")
 
 UNIT_WAIT = float(os.environ.get("TQTX_UNIT_WAIT", "60"))
 _EMPTY_HELD = {"indexes": [], "field_sets": [], "fields_of": []}
+
+
+def restore_unit_label(body) -> str:
+    """Metrics label of a RESTORE_UNIT request: one per action."""
+    action = body.get("action") if isinstance(body, dict) else None
+    return f"RESTORE_UNIT:{action if action in st.RESTORE_UNIT_ACTIONS else 'other'}"
 
 
 def acquire_state_dir(state_dir: str):
@@ -51,11 +63,11 @@ def acquire_state_dir(state_dir: str):
     return lock
 
 
-class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
-    """The controller: process, units and stats here; KV requests in
-    :class:`~tqtx.controller.kv.KVRequests`, restore requests in
-    :class:`~tqtx.controller.restores.RestoreProtocol`, TransferQueue's low-level client
-    requests in :class:`~tqtx.controller.dataplane.DataPlaneRequests`, startup replay in
+class Controller:
+    """The controller: process, units and stats here; it owns ``kv``
+    (:class:`~tqtx.controller.kv.KVRequests`), ``restores``
+    (:class:`~tqtx.controller.restores.RestoreCoordinator`) and ``dataplane``
+    (:class:`~tqtx.controller.dataplane.DataPlaneRequests`); startup replay in
     :mod:`tqtx.controller.startup`.
 
     ``durability`` (``"full"``, ``"normal"``, ``"off"``): how metadata changes are journaled
@@ -76,17 +88,24 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         self.incarnation = self.journal.start_incarnation(
             pid=os.getpid(), host=socket.gethostname(), address=self.address, version=__version__)
         self.meta = Metadata(self.incarnation)
-        self.held_tags = HeldTags()
-        self.restores: dict[str, RestorePlan] = {}
-        # a load_checkpoint whose switch is open: (load ID, its rows' generation base)
-        self.checkpoint_load: tuple[str, int] | None = None
-        self.replace_epoch = 0  # buffer replacements (checkpoint loads, ends) so far
         self.metajournal = MetaJournal(self.journal.engine, durability)
+        self.unit_peers = UnitPeers()
+        self.restores = RestoreCoordinator(
+            meta=self.meta, journal=self.journal, units=self.unit_peers, num_units=num_units,
+            incarnation=self.incarnation, store_plans=self.metajournal.enabled,
+            require_units=self._require_units, topology=self._topology,
+            defer=self.server.call_soon)
+        self.kv = KVRequests(
+            meta=self.meta, journal=self.journal, metajournal=self.metajournal,
+            units=self.unit_peers, num_units=num_units, incarnation=self.incarnation,
+            restores=self.restores, require_units=self._require_units, topology=self._topology,
+            after_reply=self.server.after_reply)
+        self.dataplane = DataPlaneRequests(meta=self.meta, kv=self.kv)
         self.recovered = replay(self)
         # After replaying a buffer, new rows wait until every unit has re-registered (and
         # reported what it holds), or UNIT_WAIT seconds: see _require_units.
         self.awaiting_units = (set(range(num_units)) if self.meta.partitions or
-                               self.checkpoint_load else set())
+                               self.kv.checkpoint_load else set())
         self.dead_buffer = DeadBufferCheck(self)  # a whole-job crash: start empty
         self.unit_wait_until = time.monotonic() + UNIT_WAIT
         self.units: dict[int, str] = {}
@@ -94,35 +113,33 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         # replies that lead a client to units carry it ("topology"). The controller
         # incarnation in the high bits keeps it distinct across controller restarts.
         self.topology_incarnation = self.incarnation << 32
-        self.unit_peers: dict[int, Peer] = {}
         self.started = time.time()
         self.counters: dict[str, int] = {}
-        self._init_dataplane()
-        s = self.server
+        s, kv, rs, dp = self.server, self.kv, self.restores, self.dataplane
         for op, fn, mutating in [
             ("PING", self.ping, False), ("REGISTER_UNIT", self.register_unit, True),
-            ("TOPOLOGY", self.topology, False), ("ALLOC", self.alloc, True),
-            ("COMMIT_PUT", self.commit_put, True), ("ABORT_PUT", self.abort_put, True),
-            ("LOOKUP", self.lookup, False),
-            ("LIST", self.list_keys, False), ("CLEAR", self.clear_forgetting, True),
-            ("DESCRIBE_ROWS_BY_KEY", self.describe_rows, False),
-            ("TAKE_DUMP_TAGS", self.take_dump_tags, True),
-            ("RECORD_DUMP", self.record_dump, True),
-            ("VALIDATE_DUMP_SCHEMA", self.validate_dump_schema, False),
-            ("BEGIN_RESTORE", self.begin_restore, True), ("RESTORE_UNIT", self.restore_unit, True),
-            ("FINISH_RESTORE", self.finish_restore, True), ("LIST_RESTORES", self.list_restores, False),
-            ("GET_RESTORE", self.get_restore, False),
-            ("CHECKPOINT_SNAPSHOT", self.checkpoint_snapshot, False),
-            ("CHECKPOINT_CHECK", self.checkpoint_check, False),
-            ("CHECKPOINT_REPLACE", self.replace_forgetting, True),
+            ("TOPOLOGY", self.topology, False), ("ALLOC", kv.alloc, True),
+            ("COMMIT_PUT", kv.commit_put, True), ("ABORT_PUT", kv.abort_put, True),
+            ("LOOKUP", kv.lookup, False),
+            ("LIST", kv.list_keys, False), ("CLEAR", dp.clear_forgetting, True),
+            ("DESCRIBE_ROWS_BY_KEY", kv.describe_rows, False),
+            ("TAKE_DUMP_TAGS", kv.take_dump_tags, True),
+            ("RECORD_DUMP", kv.record_dump, True),
+            ("VALIDATE_DUMP_SCHEMA", rs.validate_dump_schema, False),
+            ("BEGIN_RESTORE", rs.begin_restore, True), ("RESTORE_UNIT", rs.restore_unit, True),
+            ("FINISH_RESTORE", rs.finish_restore, True), ("LIST_RESTORES", rs.list_restores, False),
+            ("GET_RESTORE", rs.get_restore, False),
+            ("CHECKPOINT_SNAPSHOT", kv.checkpoint_snapshot, False),
+            ("CHECKPOINT_CHECK", kv.checkpoint_check, False),
+            ("CHECKPOINT_REPLACE", dp.replace_forgetting, True),
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
-            ("END_BUFFER", self.end_forgetting, True), ("SHUTDOWN", self.shutdown, True),
-            ("KV_META", self.kv_meta, False), ("KV_KEYS", self.kv_keys, False),
-            ("STREAM_META", self.stream_meta, True), ("CONSUMPTION", self.consumption, False),
-            ("PRODUCTION", self.production, False),
-            ("RESET_CONSUMPTION", self.reset_consumption, True),
-            ("PARTITIONS", self.partitions, False),
-            ("DATAPLANE_OPTIONS", self.dataplane_options, True),
+            ("END_BUFFER", dp.end_forgetting, True), ("SHUTDOWN", self.shutdown, True),
+            ("KV_META", dp.kv_meta, False), ("KV_KEYS", dp.kv_keys, False),
+            ("STREAM_META", dp.stream_meta, True), ("CONSUMPTION", dp.consumption, False),
+            ("PRODUCTION", dp.production, False),
+            ("RESET_CONSUMPTION", dp.reset_consumption, True),
+            ("PARTITIONS", dp.partitions, False),
+            ("DATAPLANE_OPTIONS", dp.dataplane_options, True),
         ]:
             s.add(op, fn, mutating=mutating)
         # restore claims are counted per action: RESTORE_UNIT:claim / :staged / :failed
@@ -132,6 +149,9 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         s.metrics.gauge("open_restores", lambda: len(self.restores))
 
     # ---------------------------------------------------------------- basics
+    def _topology(self) -> int:
+        return self.topology_incarnation
+
     def ping(self, body, req):
         return {"incarnation": self.incarnation}
 
@@ -149,8 +169,8 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
                                     curve=self.client_curve, connect_timeout=CONNECT_TIMEOUT)
         held = body.get("held")
         stale = False  # the unit holds rows from before a checkpoint it never switched to
-        if self.checkpoint_load:
-            load_id = self.checkpoint_load[0]
+        if self.kv.checkpoint_load:
+            load_id = self.kv.checkpoint_load[0]
             ck = body.get("checkpoint") or {}
             if ck.get("applied") != load_id:
                 if load_id in (ck.get("staged") or ()):
@@ -163,8 +183,8 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         self.awaiting_units.discard(uid)
         if not self.awaiting_units:
             self.dead_buffer.settle(self)
-        if self.checkpoint_load and not self.awaiting_units:
-            self._checkpoint_switched()
+        if self.kv.checkpoint_load and not self.awaiting_units:
+            self.kv.checkpoint_switched()
         drop_staged = [rid for rid in body.get("staged") or () if rid not in self.restores]
         log.info("unit %d registered at %s (topology %d)%s", uid, body["address"],
                  self.topology_incarnation & 0xFFFFFFFF,
@@ -178,7 +198,7 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         restarted after deciding it) that staged the checkpoint but has not switched: switch,
         then report again. A unit with neither (it restarted) is reconciled as empty, and the
         rows it still holds, from before the checkpoint, are dropped (register_unit)."""
-        load_id, gen_base = self.checkpoint_load
+        load_id, gen_base = self.kv.checkpoint_load
         log.info("unit %d: switching to checkpoint load %s before it reports", uid, load_id)
         return {"incarnation": self.incarnation, "drop": [], "drop_staged": [],
                 "apply_checkpoint": load_id, "gen_base": gen_base}
@@ -218,7 +238,7 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         have = dict(zip(indexes, zip(gens, (sets[i] for i in held.get("fields_of") or ()))))
         change = self.meta.plan_lost(uid, self.num_units, have)
         if change:
-            self._journal_meta("unit_lost", change)
+            self.kv.journal_meta("unit_lost", change)
             self.meta.apply_lost(change)
             if not have and not self.dead_buffer.done:
                 log.warning("unit %d came back empty: %d rows of the replayed buffer are "
@@ -240,16 +260,6 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
                 "version": __version__, "address": self.address,
                 "metrics_endpoint": getattr(self, "metrics_endpoint", None)}
 
-    def end_buffer(self, body, req):
-        """The deployment's owner is closing it: forget every key, here and in the journal."""
-        self._refuse_if_restoring("closing the buffer")
-        self._journal_meta("end_buffer", MetaChange(replace=True))
-        self.meta.replace({"next_index": 0, "partitions": {}})
-        self.replace_epoch += 1
-        log.info("buffer ended by its owner: metadata discarded")
-        faults.hit("controller.meta.end_buffer.before_reply")
-        return {"ok": True}
-
     def shutdown(self, body, req):
         self.server.stop()
         return {"ok": True}
@@ -263,7 +273,7 @@ class Controller(KVRequests, RestoreProtocol, DataPlaneRequests):
         keys = self._keys_held()
         open_restores = [{"restore_id": r["restore_id"], "partition_id": r["partition_id"],
                           "state": r["state"], "dump_dir": r["dump_dir"],
-                          "units": {u["unit_id"]: u["state"] for u in r.get("units", [])}}
+                          "units": st.unit_states(r)}
                          for r in self.journal.unresolved_restores()]
         m = self.server.metrics
         return {"role": "controller", "unit_id": None, "pid": os.getpid(),

@@ -19,7 +19,7 @@ from ..errors import DumpFormatError
 from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import find_dump_journal
-from .restores import RestorePlan
+from ..plan import RestorePlan
 
 log = logging.getLogger("tqtx.controller")
 
@@ -32,7 +32,7 @@ def replay(ctl) -> list[dict]:
     ctl.meta.replace(snap)
     markers = snap.get("markers") or {}
     if markers.get(CHECKPOINT_LOAD):
-        ctl.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))
+        ctl.kv.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))
     keys = sum(len(p["rows"]) for p in snap["partitions"].values())
     if keys:
         log.warning("startup: replayed %d keys in %d partitions (%d lost rows) from the journal "
@@ -44,11 +44,7 @@ def replay(ctl) -> list[dict]:
         data = ctl.journal.restore_plan(rec["restore_id"])
         if rec["state"] != st.COMMITTING or not data:
             continue
-        plan = RestorePlan.decode(data)
-        ctl.restores[plan.restore_id] = plan
-        gen_of = {r.index: r.gen for r in plan.rows}
-        ctl.meta.reserve(plan.restore_id, plan.new_indexes,
-                         [gen_of[i] for i in plan.new_indexes])
+        ctl.restores.resume(RestorePlan.decode(data))
     for event in actions:
         log.warning("startup recovery: %s %s: %s %s", event.get("kind"), event.get("target"),
                     event.get("action"), event.get("detail", ""))

@@ -21,7 +21,7 @@ from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
 from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
 from ..paths import controller_journal_path, controller_lock_path
-from ..plan import LoadItem
+from ..plan import BeginRow, LoadItem
 from ..schema import validate_row
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
@@ -31,7 +31,7 @@ log = logging.getLogger("tqtx.restore")
 
 
 def _pending(rec: dict, reason: str, what: str = "") -> RestorePendingError:
-    units = {u["unit_id"]: u["state"] for u in rec.get("units", [])}
+    units = st.unit_states(rec)
     err = RestorePendingError(restore_id=rec["restore_id"], dump_dir=rec.get("dump_dir"),
                               reason=reason, units=units, partition_id=rec.get("partition_id"))
     if what:
@@ -154,7 +154,8 @@ def _begin(client, dj: DumpJournal, dump_dir: str, rid: str, pid: str, index) ->
     for row in dj.active_restores():
         settle_reader(client, dj, dump_dir, row, action="a second load of this dump")
     # src lets the controller have a unit re-read its rows after the commit decision
-    rows = [[key, list(fields), tag, src] for key, src, fields, tag in index.rows]
+    rows = [BeginRow(key, list(fields), tag, src).to_wire()
+            for key, src, fields, tag in index.rows]
     nbytes = sum(s["size"] for s in index.shards)
     plan = client.controller.call("BEGIN_RESTORE", {
         "restore_id": rid, "partition_id": pid, "dump_dir": dump_dir,
@@ -282,7 +283,8 @@ def _load_via_client(client, dump_dir: str, partition_id, t0) -> dict:
             schemas = {f: index.field_schema[f] for f in fields}
             client.put_columns(keys, pid, columns, schemas, [t or {} for _, t in chunk])
     return {"restore_id": None, "keys": len(index.rows),
-            "new_keys": sum(1 for r in index.rows if r[0] not in existing),
+            "new_keys": sum(1 for key, _src, _fields, _tag in index.rows
+                            if key not in existing),
             "rows_with_data": len(rows_by_key), "shards": len(index.shards), "bytes": read_bytes,
             "units": [], "seconds": time.perf_counter() - t0, "partition_id": pid,
             "dump_dir": dump_dir, "via": "client"}
