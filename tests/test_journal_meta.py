@@ -80,3 +80,24 @@ def test_restore_finish_publishes_in_its_transaction(journals):
     assert cj.get_restore("r1") == done
     assert cj.restore_plan("r1") is None
     assert len(mj.load()["partitions"]["p"]["rows"]) == 300
+
+
+def test_answered_requests_are_kept_newest_first_out(journals, monkeypatch):
+    """A change's request reply is stored with it; only the newest REQUESTS_KEPT stay, and a
+    durability of "off" keeps none (nothing may answer for a change it did not keep)."""
+    from tqtx.journal import meta
+    cj, mj = journals
+    monkeypatch.setattr(meta, "REQUESTS_KEPT", 3)
+    for i in range(5):
+        reply = codec.packb({"freed": [i], "gens": [100 + i]})
+        mj.write(MetaChange(deleted=[("p", f"k{i}")], answered=(f"r{i}", reply)))
+    answered = mj.load()["answered"]
+    assert [rid for rid, _ in answered] == ["r2", "r3", "r4"]
+    assert codec.unpackb(answered[-1][1]) == {"freed": [4], "gens": [104]}
+    assert MetaChange(answered=("r", b"x"))  # a change that only records a reply is written
+    off = MetaJournal(cj.engine, "off")
+    try:
+        assert off.load()["answered"] == []
+    finally:
+        off.close()
+    assert mj.load()["answered"] == []

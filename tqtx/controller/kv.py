@@ -23,6 +23,7 @@ from .. import states as st
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError
 from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange, MetaJournal
 from ..journal.store import ControllerJournal
+from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
 from .metadata import EMPTY, Metadata
@@ -226,11 +227,19 @@ class KVRequests:
         if part is None:
             return {"freed": [], "gens": []}
         change, gone = self.meta.plan_clear(part, body["keys"])
+        freed = [part.keys[k] for k in gone]
+        reply = {"freed": freed, "gens": part.gens_of(freed)}
         if gone:
+            # The reply goes into the change's transaction: a copy of this request resent
+            # to the controller that replaces this one (its reply lost with this one) is
+            # answered with it, not applied again after puts that came since.
+            rid = req.get("rid") if isinstance(req, dict) else None
+            if rid:
+                change.answered = (rid, codec.packb(reply))
             self.journal_meta("clear", change)
-        freed, gens = self.meta.apply_clear(part, gone)
+        self.meta.apply_clear(part, gone)
         faults.hit("controller.meta.clear.before_reply")
-        return {"freed": freed, "gens": gens}
+        return reply
 
     # ---------------------------------------------------------------- dump
     def describe_rows(self, body, req):

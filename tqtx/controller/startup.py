@@ -20,6 +20,7 @@ from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import find_dump_journal
 from ..plan import RestorePlan
+from ..wire import codec
 
 log = logging.getLogger("tqtx.controller")
 
@@ -30,6 +31,10 @@ def replay(ctl) -> list[dict]:
     t0 = time.perf_counter()
     snap = ctl.metajournal.load()
     ctl.meta.replace(snap)
+    for rid, reply in snap.get("answered") or ():
+        # a copy of a request the last incarnation acted on, resent because its reply was
+        # lost with that process, gets the recorded reply (wire.rpc's reply cache)
+        ctl.server.remember_reply(rid, codec.unpackb(reply))
     markers = snap.get("markers") or {}
     if markers.get(CHECKPOINT_LOAD):
         ctl.kv.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))

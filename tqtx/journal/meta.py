@@ -51,6 +51,12 @@ _SET_MARKER = ("INSERT INTO meta_markers (name, value) VALUES (?, ?) "
 _NEXT_INDEX = "next_index"
 CHECKPOINT_LOAD = "checkpoint_load"  # marker: a load_checkpoint decided, units switching
 CHECKPOINT_GEN_BASE = "checkpoint_gen_base"  # marker: that load's rows' generation base
+# Replies of mutating requests kept in meta_requests: a resent copy comes within the
+# client's reconnect timeout, so the newest few thousand are plenty.
+REQUESTS_KEPT = 4096
+_ANSWER = ("INSERT OR REPLACE INTO meta_requests (request_id, seq, reply) VALUES "
+           "(?, (SELECT coalesce(max(seq), 0) + 1 FROM meta_requests), ?)")
+_TRIM_ANSWERS = "DELETE FROM meta_requests WHERE seq <= (SELECT max(seq) FROM meta_requests) - ?"
 
 
 def check_durability(value: str) -> str:
@@ -67,7 +73,9 @@ class MetaChange:
     ``rows``: ``(partition, key, global_index, fields, tag, lost_unit, gen)`` to insert or
     replace; ``deleted``: ``(partition, key)``; ``schemas``: ``(partition, field, schema)``;
     ``dropped``: partitions whose schemas go (the partition has no keys left);
-    ``replace``: wipe every table first (a checkpoint load replaces all metadata).
+    ``replace``: wipe every table first (a checkpoint load replaces all metadata);
+    ``answered``: ``(request ID, msgpack of the reply)`` of the request that made the change,
+    so a controller that replaces this one answers a resent copy instead of acting again.
     """
 
     rows: list = field(default_factory=list)
@@ -77,10 +85,11 @@ class MetaChange:
     next_index: int | None = None
     replace: bool = False
     markers: dict = field(default_factory=dict)  # name -> value (None: remove)
+    answered: tuple[str, bytes] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.deleted or self.schemas or self.dropped or self.replace
-                    or self.next_index is not None or self.markers)
+                    or self.next_index is not None or self.markers or self.answered)
 
 
 _EMPTY_TAG = codec.packb({})
@@ -108,6 +117,9 @@ def apply_change(executemany: Callable[[str, Iterable], object], change: MetaCha
             executemany("DELETE FROM meta_markers WHERE name = ?", [(name,)])
         else:
             executemany(_SET_MARKER, [(name, str(value))])
+    if change.answered is not None:
+        executemany(_ANSWER, [change.answered])
+        executemany(_TRIM_ANSWERS, [(REQUESTS_KEPT,)])
 
 
 @lru_cache(maxsize=32)
@@ -161,6 +173,7 @@ class MetaJournal:
             self._db.execute(f"PRAGMA journal_size_limit={_WAL_SIZE_LIMIT}")
         else:
             self._write(MetaChange(replace=True))
+            self._forget_answers()
 
     @property
     def enabled(self) -> bool:
@@ -191,13 +204,20 @@ class MetaJournal:
                 raise
         self.transactions += 1
 
+    def _forget_answers(self) -> None:
+        db = self._db
+        with journal_writes(self.path):
+            db.execute("DELETE FROM meta_requests")
+            db.commit()
+
     def load(self) -> dict:
         """The stored metadata: ``{"next_index", "partitions": {pid: {"schema": {field:
         schema}, "rows": [[key, global_index, fields, tag, lost_unit, gen], ...]}},
-        "markers"}`` (``gen`` None in rows written before migration c0004)."""
+        "markers", "answered"}`` (``gen`` None in rows written before migration c0004;
+        ``answered``: ``[(request ID, msgpack of the reply)]``, oldest first)."""
         parts: dict[str, dict] = {}
         if not self.enabled:
-            return {"next_index": 0, "partitions": parts, "markers": {}}
+            return {"next_index": 0, "partitions": parts, "markers": {}, "answered": []}
         db, loads, unpackb = self._db, json.loads, codec.unpackb
         field_sets: dict[str, list] = {}  # rows share a handful of field lists: decode once
         tags: dict[bytes, dict] = {}       # and of tags (each row gets its own copy)
@@ -221,8 +241,9 @@ class MetaJournal:
         row = db.execute("SELECT value FROM meta_counters WHERE name = ?",
                          (_NEXT_INDEX,)).fetchone()
         markers = dict(db.execute("SELECT name, value FROM meta_markers"))
+        answered = db.execute("SELECT request_id, reply FROM meta_requests ORDER BY seq").fetchall()
         return {"next_index": int(row[0]) if row else 0, "partitions": parts,
-                "markers": markers}
+                "markers": markers, "answered": answered}
 
     def close(self) -> None:
         self._pooled.close()

@@ -208,6 +208,17 @@ class MetaMarker(ControllerBase):
     value: Mapped[str] = mapped_column(Text)  # e.g. checkpoint_load: the load being switched to
 
 
+class MetaRequest(ControllerBase):
+    """The reply to a recent mutating metadata request (CLEAR), written in the transaction
+    of its change, so a controller that replaced the one that acted answers a resent copy
+    with it instead of acting twice. The newest ``tqtx.journal.meta.REQUESTS_KEPT`` stay."""
+    __tablename__ = "meta_requests"
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, index=True)
+    reply: Mapped[bytes] = mapped_column(LargeBinary)                # msgpack of the reply
+
+
 class MetaCounter(ControllerBase):
     __tablename__ = "meta_counters"
 

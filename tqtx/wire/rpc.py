@@ -219,6 +219,12 @@ class Server:
         except zmq.ZMQError as exc:  # peer gone; nothing to do
             log.debug("%s: reply not sent: %s", self.name, exc)
 
+    def remember_reply(self, rid: str, result) -> None:
+        """Answer a later copy of mutating request ``rid`` with ``result`` (a reply an
+        earlier process serving this address recorded durably, as the controller's
+        journal does for CLEAR)."""
+        self._cache.put(rid, self._reply_frames(rid, result, None))
+
     def _reply_frames(self, rid, result, error) -> list:
         if error is not None:
             return encode({"rid": rid, "ok": False, "error": error_payload(error)})

@@ -1,0 +1,58 @@
+"""A request resent to a restarted controller is answered, not applied twice.
+
+A client whose controller died before replying waits for the controller that replaces it
+and sends the same request again, with the same request ID. For CLEAR the first copy may
+have been applied and journaled: applied again, it would remove a put made in between (the
+kill history test found a clear applied twice across a controller restart). The journal
+keeps each clear's reply with its change, so the new controller answers the copy with it.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tqtx as tq
+from tqtx import api
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.strict]
+
+P = "p"
+
+
+def _put(key: str, value: int) -> None:
+    tq.kv_batch_put([key], P, TensorDict({"x": torch.tensor([[value]])}, batch_size=[1]),
+                    tags=[{"v": value}])
+
+
+def _restart_controller() -> None:
+    dep = api._deployment
+    before = dep.incarnation
+    dep.restart_controller()
+    assert dep.incarnation != before
+    client = tq.get_client()
+    deadline = time.monotonic() + 60
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        assert time.monotonic() < deadline, "the units did not re-register"
+        time.sleep(0.05)
+
+
+def test_a_clear_resent_after_a_restart_gets_its_reply_and_spares_a_later_put(tq_start):
+    tq_start(num_units=2)
+    client = tq.get_client()
+    _put("a", 1)
+    _put("b", 1)
+    first = client.controller.call("CLEAR", {"partition_id": P, "keys": ["a"]}, rid="clear-1")
+    assert len(first["freed"]) == 1
+    _put("a", 2)  # another put of the key after the clear took effect
+    _restart_controller()
+    # the copy of the first request, as a client whose reply was lost sends it
+    again = client.controller.call("CLEAR", {"partition_id": P, "keys": ["a"]}, rid="clear-1")
+    assert again == first
+    assert tq.kv_list(P)[P] == {"a": {"v": 2}, "b": {"v": 1}}
+    assert tq.kv_batch_get(["a"], P)["x"].tolist() == [[2]]
+    # a new clear (another request ID) still clears
+    tq.kv_clear(["a"], P)
+    assert list(tq.kv_list(P)[P]) == ["b"]
