@@ -46,7 +46,9 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
       were refused or became orphans, are dropped where they still hold its generation).
     * A key that was new (pending) at ALLOC and was abandoned meanwhile (a concurrent put
       of the same new key failed): its rows were never visible; the put of that key is
-      redone from ALLOC (at most FENCE_ATTEMPTS times).
+      redone from ALLOC (at most FENCE_ATTEMPTS times). A new key that a concurrent put of
+      it committed, and a clear then removed, was visible: that clear came after this put,
+      as for a key that existed.
     * The controller went away: it is waited for (:meth:`Client.await_controller`); the
       same process is asked again by request ID; a new one (which forgot the uncommitted
       ALLOC) gets the put once more from ALLOC, rows written again only for the keys that
@@ -174,9 +176,12 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     if not stale:
         return res["fields"], [], nbytes
     # Rows written for keys that moved are dropped (only where they still hold the
-    # generation this put wrote); keys that were new are put again.
+    # generation this put wrote); keys that were new and whose creation was abandoned
+    # (never visible) are put again. A new key that a concurrent put of it committed was
+    # visible with this put's rows, so a clear since came after this put: not put again.
     client.drop_rows([(i, g) for k, i, g in zip(keys, indexes, gens) if k in stale])
-    return res["fields"], [j for j, k in enumerate(keys) if k in stale and pending[j]], nbytes
+    redo = set(res.get("redo") or ())
+    return res["fields"], [j for j, k in enumerate(keys) if k in redo and pending[j]], nbytes
 
 
 def _abandon_put(client, pid: str, keys: list[str], gens: list[int]) -> None:

@@ -131,19 +131,25 @@ class KVRequests:
         The fields' schemas were validated and merged by ALLOC, before any unit wrote. With
         ``gens`` (the generations ALLOC gave), keys that no longer hold their generation
         (cleared, or cleared and created again, since ALLOC) are not committed and come back
-        as ``stale`` (see :func:`tqtx.put_path.put_columns`).
+        as ``stale`` (see :func:`tqtx.put_path.put_columns`); those among them that were
+        pending and abandoned (never visible) also as ``redo``: only those may be put again.
+        A pending key that a concurrent put of it committed was visible, rows of this put
+        included, so its clear came after this put.
         """
         pid, keys, tags = body["partition_id"], body["keys"], body.get("tags")
-        gens, stale = body.get("gens"), []
+        gens, stale, redo = body.get("gens"), [], []
         if gens is not None:
             stale = self.meta.stale_keys(self.meta.partition(pid), keys, gens)
             if stale:
                 moved = set(stale)
+                abandoned = self.meta.abandoned
+                redo = list(dict.fromkeys(k for k, g in zip(keys, gens)
+                                          if k in moved and g in abandoned))
                 keep = [i for i, k in enumerate(keys) if k not in moved]
                 keys = [keys[i] for i in keep]
                 tags = None if tags is None else [tags[i] for i in keep]
                 if not keys:
-                    return {"fields": [], "stale": stale}
+                    return {"fields": [], "stale": stale, "redo": redo}
         change, updates, common = self.meta.plan_commit(
             pid, keys, body.get("fields") or [], tags)
         self.journal_meta("commit_put", change)
@@ -151,7 +157,7 @@ class KVRequests:
         faults.hit("controller.meta.commit_put.before_reply")
         out = {"fields": common}
         if stale:
-            out["stale"] = stale
+            out["stale"], out["redo"] = stale, redo
         if body.get("want_tags"):  # the stored (merged) tags of the keys committed
             out["tags"] = {k: updates[k][2] or {} for k in keys}
         return out

@@ -22,6 +22,7 @@ row.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 from ..errors import KeysNotFoundError, RowsLostError
 from ..journal.meta import MetaChange
@@ -33,6 +34,8 @@ EMPTY: frozenset = frozenset()
 # Generations are ``incarnation << GEN_SHIFT | counter``: 2**40 keys per controller
 # incarnation, 2**23 incarnations of a state dir in an int64.
 GEN_SHIFT = 40
+# Abandoned generations remembered (a put's COMMIT_PUT follows its ALLOC within its timeout).
+ABANDONED_KEPT = 65536
 
 
 class Partition:
@@ -87,6 +90,10 @@ class Metadata:
         self.reserved: dict[int, str] = {}  # index -> restore_id holding it
         # index -> generation of every allocated index (visible, pending or reserved)
         self.gens: dict[int, int] = {}
+        # Generations of pending keys forgotten because their put failed (ABORT_PUT): their
+        # rows were never visible, so a concurrent put of the same new key may put it again.
+        # A pending key that another put committed and a clear then removed is not here.
+        self.abandoned: OrderedDict[int, None] = OrderedDict()
         self.next_gen = incarnation << GEN_SHIFT
         self.gen_limit = (incarnation + 1) << GEN_SHIFT
         # Rows' field sets are frozensets, one object per distinct set (never changed in
@@ -229,6 +236,9 @@ class Metadata:
             if idx is not None and self.gens.get(idx) == gen:
                 del part.pending[key]
                 out.append([idx, gen])
+                self.abandoned[gen] = None
+        while len(self.abandoned) > ABANDONED_KEPT:
+            self.abandoned.popitem(last=False)
         self.release(idx for idx, _ in out)
         if not part.keys and not part.pending:
             del self.partitions[part.pid]
