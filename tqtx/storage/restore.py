@@ -270,8 +270,8 @@ class RestoreWorker:
             # new indexes are reserved), so this is a bug: never write over it.
             log.error("restore %s: unit %d did not apply %d rows: their indexes hold newer "
                       "keys (%s)", rid, unit.unit_id, len(skipped), skipped[:10])
-        if unit.write_watch:
-            unit._note_writes(staged)
+        if unit.attach.write_watch:
+            unit.attach.note_writes(staged)
         self.applied.record(rid, len(staged))
         faults.hit("unit.apply.after_apply")
         log.info("restore %s: unit %d applied %d rows", rid, unit.unit_id, len(staged))
