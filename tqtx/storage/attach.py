@@ -17,6 +17,7 @@ import threading
 
 from .. import faults
 from ..wire.peer import Peer
+from .checkpoints import CheckpointSwitch
 from .memory import pause
 
 log = logging.getLogger("tqtx.unit")
@@ -112,10 +113,10 @@ class UnitAttachment:
         if reply.get("apply_checkpoint"):
             # a restarted controller rolls a decided checkpoint load forward: switch, then
             # report again (the next heartbeat registers: -1 matches no incarnation)
-            switch = {"load_id": reply["apply_checkpoint"], "gen_base": reply["gen_base"]}
+            switch = CheckpointSwitch(reply["apply_checkpoint"], int(reply["gen_base"]))
             self.incarnation = -1
             unit.server.call_soon(lambda: (self._unwatch(written),
-                                           unit.checkpoints.apply(switch, None)))
+                                           unit.checkpoints.switch(switch)))
             return reply
         drop, drop_staged = reply.get("drop") or [], reply.get("drop_staged") or []
         log.info("unit %d registered with controller incarnation %s: holds %d rows, %d staged "

@@ -29,7 +29,7 @@ from ..plan import LoadItem, RedoItem
 from ..schema import validate_row
 from ..wire.id_records import IdRecords
 from ..wire.peer import CONNECT_TIMEOUT, Peer
-from ..wire.values import value_nbytes
+from ..wire.values import row_nbytes
 
 log = logging.getLogger("tqtx.unit")
 
@@ -106,8 +106,7 @@ class ReadPlan:
                     validate_row(row, schema, where=partial(_location, path, src))
                     for dest, gen in targets[(path, src)]:
                         staged[dest] = (gen, row)
-                    for v in row.values():
-                        nbytes += value_nbytes(v)
+                    nbytes += row_nbytes(row)
                 after_batch()
         return nbytes
 

@@ -30,7 +30,7 @@ from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Server
-from ..wire.values import forget_shapes, value_nbytes
+from ..wire.values import forget_shapes, row_nbytes, value_nbytes
 from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
 from .dump_job import DumpJob
@@ -149,13 +149,11 @@ class StorageUnit:
         held = gens.get(idx)
         if held is not None and held > gen:
             return None
-        nbytes = freed = 0
-        for value in values.values():
-            nbytes += value_nbytes(value)
+        nbytes, freed = row_nbytes(values), 0
         old = rows.get(idx)
         if held != gen or old is None:
             if old:
-                freed = _row_nbytes(old)
+                freed = row_nbytes(old)
             rows[idx] = values
             gens[idx] = gen
         else:
@@ -244,7 +242,7 @@ class StorageUnit:
         for idx, gen in zip(indexes, want):
             if gens.get(idx) == gen:
                 del gens[idx]
-                freed += _row_nbytes(rows.pop(idx))
+                freed += row_nbytes(rows.pop(idx))
                 n += 1
         self.bytes_held -= freed
         if n and not self.rows:
@@ -368,8 +366,3 @@ class StorageUnit:
         finally:
             self.attach.stopped.set()
             self.pool.shutdown(wait=True)
-
-
-
-def _row_nbytes(row: dict) -> int:
-    return sum(value_nbytes(v) for v in row.values())
