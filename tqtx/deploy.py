@@ -150,15 +150,7 @@ class LocalDeployment:
 
     def wait_state_dir_free(self, timeout: float = 10.0) -> bool:
         """Wait until no controller holds this deployment's ``controller.lock``."""
-        import filelock
-        from .paths import controller_lock_path
-        lock = filelock.FileLock(os.fspath(controller_lock_path(self.state_dir)))
-        try:
-            lock.acquire(timeout=timeout)
-        except filelock.Timeout:
-            return False
-        lock.release()
-        return True
+        return paths.controller_running(self.state_dir, timeout) is False
 
     def liveness(self, name: str):
         """A callable telling why process ``name`` is gone (None while it runs)."""

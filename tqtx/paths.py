@@ -163,6 +163,24 @@ def controller_lock_path(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir) / "controller.lock"
 
 
+def controller_running(state_dir: str | os.PathLike, timeout: float = 0.0) -> bool | None:
+    """Does a controller run on ``state_dir``? It holds :func:`controller_lock_path` for its
+    whole life: True while another holds it (after waiting up to ``timeout`` seconds for it
+    to go), False once it is free, None when the lock file cannot even be opened (a
+    read-only state dir: cannot tell)."""
+    import filelock
+
+    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)))
+    try:
+        lock.acquire(timeout=timeout)
+    except filelock.Timeout:  # before OSError: a Timeout is one
+        return True
+    except OSError:
+        return None
+    lock.release()
+    return False
+
+
 def is_own_sibling(name: str, dump_name: str) -> bool:
     """Is ``name`` (an entry beside the dump ``dump_name``) one of tqtx's own sibling files:
     lock, journal files, staging or ``.old``? (Staging and ``.old`` are tqtx's only when a
