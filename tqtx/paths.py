@@ -285,6 +285,12 @@ def replaceable(path: str | os.PathLike, kind: str) -> bool:
     return manifest_kind(p) == kind or not any(os.scandir(p))
 
 
+def read_only_journal(path: str | os.PathLike) -> sqlite3.Connection:
+    """A plain sqlite3 connection that only reads the journal at ``path``: it never creates,
+    migrates or writes it (sqlite3.Error where it cannot be opened)."""
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+
+
 def journal_accounts_for_old(dump_dir: str | os.PathLike, journal: Path | None = None) -> bool:
     """Does an unfinished publication in the dump journal say ``<dump>.old`` may be tqtx's?
     (Read-only; False without a readable journal.)"""
@@ -292,7 +298,7 @@ def journal_accounts_for_old(dump_dir: str | os.PathLike, journal: Path | None =
     if not path.exists():
         return False
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = read_only_journal(path)
     except sqlite3.Error:
         return False
     try:

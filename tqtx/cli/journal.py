@@ -25,7 +25,7 @@ from ..journal.migrate import _stamped_revision as stamped_revision
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import (
     JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, controller_running,
-    default_state_dir, dump_journal_path, relocated_path, siblings_writable,
+    default_state_dir, dump_journal_path, read_only_journal, relocated_path, siblings_writable,
 )
 from ..states import DUMP_RESTORE_FINAL
 
@@ -75,7 +75,7 @@ def _ro_publications(dump_dir: str, limit: int | None, unreadable: list) -> list
     if not path.exists():
         return []
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = read_only_journal(path)
     except sqlite3.Error as exc:
         unreadable.append({"journal": str(path), "error": f"{type(exc).__name__}: {exc}"})
         return []
@@ -372,7 +372,7 @@ def migrate_cmd(dump_dir, state_dir) -> None:
 
 def check_journal(path: Path, kind: str) -> dict:
     """Integrity, foreign-key and revision checks on a journal file (read-only)."""
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    con = read_only_journal(path)
     problems: list[str] = []
     try:
         integrity = [r[0] for r in con.execute("PRAGMA integrity_check")]
