@@ -11,7 +11,8 @@ def test_illegal_transition_is_the_journal_one():
     assert IllegalTransition is st.IllegalTransition and issubclass(IllegalTransition, ValueError)
 
 
-@pytest.mark.parametrize("machine", [st.RESTORE, st.UNIT, st.DUMP_RESTORE, st.PUBLICATION])
+@pytest.mark.parametrize("machine", [st.RESTORE, st.UNIT, st.DUMP_RESTORE, st.PUBLICATION,
+                                     st.UNIT_CHECKPOINT])
 def test_tables_are_closed_and_final_states_have_no_moves(machine):
     assert set(machine.final) <= set(machine.states)
     for frm, tos in machine.moves.items():

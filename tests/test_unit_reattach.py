@@ -76,7 +76,7 @@ def unit(ctl):
     u = StorageUnit(0, ctl.address)
     t = threading.Thread(target=u.serve_forever, daemon=True)
     t.start()
-    u.register(timeout=10)
+    u.attach.register(timeout=10)
     yield u
     u.server.stop()
     t.join(10)
@@ -130,7 +130,7 @@ def _held(report: dict) -> dict[int, set]:
 
 def _register_again(unit, ctl) -> dict:
     n = len(ctl.registrations)
-    unit.register(timeout=10)
+    unit.attach.register(timeout=10)
     assert len(ctl.registrations) == n + 1
     return ctl.registrations[-1]
 
@@ -159,7 +159,7 @@ def test_register_reports_exactly_the_rows_and_fields_held(unit, ctl, peer):
     assert _held(body) == {0: {"a"}, 1: {"a"}, 2: {"a", "b"}, 3: {"a"}, 10: {"a", "b"},
                            11: {"b"}}
     assert sorted(map(sorted, body["held"]["field_sets"])) == [["a"], ["a", "b"], ["b"]]
-    assert unit.incarnation == ctl.incarnation
+    assert unit.attach.incarnation == ctl.incarnation
 
 
 def test_drop_removes_rows_and_their_bytes(unit, ctl, peer):
@@ -191,7 +191,7 @@ def test_row_put_after_the_snapshot_survives_the_drop(unit, ctl, peer):
     _put(peer, {i: {"a": _tensor(i)} for i in range(3)})
     ctl.hold = True
     ctl.got.clear()
-    t = threading.Thread(target=unit.register, kwargs={"timeout": 10})
+    t = threading.Thread(target=unit.attach.register, kwargs={"timeout": 10})
     t.start()
     assert ctl.got.wait(10)  # the report is built: its snapshot is taken
     assert set(_held(ctl.registrations[-1])) == {0, 1, 2}
@@ -206,7 +206,7 @@ def test_row_put_after_the_snapshot_survives_the_drop(unit, ctl, peer):
     with pytest.raises(StaleRowsError, match=r"global index\(es\) \[0\]"):
         _get(peer, [0], ["a"])
     _get(peer, [1, 2, 7], ["a"])
-    assert unit.write_watch == []  # no watch left behind
+    assert unit.attach.write_watch == []  # no watch left behind
 
 
 def test_fault_point_after_snapshot(unit, ctl, peer):
@@ -214,11 +214,11 @@ def test_fault_point_after_snapshot(unit, ctl, peer):
     faults.configure("unit.register.after_snapshot:raise")
     try:
         with pytest.raises(faults.InjectedFault):
-            unit.register(timeout=10)
+            unit.attach.register(timeout=10)
     finally:
         faults.configure("")
     peer.call("PING")
-    assert unit.write_watch == []
+    assert unit.attach.write_watch == []
 
 
 def test_drop_staged_drops_staged_rows(unit, ctl, peer):
@@ -236,7 +236,7 @@ def test_drop_staged_drops_staged_rows(unit, ctl, peer):
 
 def test_new_incarnation_on_ping_registers_once(unit, ctl, peer):
     _put(peer, {0: {"a": _tensor(0)}})
-    unit.start_heartbeat(period=0.05)
+    unit.attach.start_heartbeat(period=0.05)
     _wait(lambda: ctl.pings >= 3, "heartbeat PINGs")
     assert len(ctl.registrations) == 1  # same incarnation: no re-registration
     ctl.incarnation = 2
@@ -245,7 +245,7 @@ def test_new_incarnation_on_ping_registers_once(unit, ctl, peer):
     _wait(lambda: ctl.pings >= pings + 5, "more PINGs")
     assert len(ctl.registrations) == 2
     assert set(_held(ctl.registrations[-1])) == {0}
-    assert unit.incarnation == 2
+    assert unit.attach.incarnation == 2
     # the unit's own request counters do not see the heartbeat
     assert set(_stats(peer)["ops"]) <= {"PUT_ROWS", "GET_STATS"}
 
@@ -257,27 +257,27 @@ def test_heartbeat_rides_out_a_controller_restart(caplog):
     t = threading.Thread(target=u.serve_forever, daemon=True)
     t.start()
     beats: list[str] = []  # what each heartbeat beat found ("" when all was well)
-    beat_once = u._beat
+    beat_once = u.attach._beat
 
     def counted(peer, wait):
         found = beat_once(peer, wait)
         beats.append(found[0])
         return found
-    u._beat = counted
+    u.attach._beat = counted
 
     def lines(text):
         return [r for r in list(caplog.records) if text in r.getMessage()]
     try:
-        u.register(timeout=10)
+        u.attach.register(timeout=10)
         caplog.set_level(logging.INFO, logger="tqtx.unit")
-        beat = u.start_heartbeat(period=0.05)
+        beat = u.attach.start_heartbeat(period=0.05)
         _wait(lambda: ctl.pings >= 2, "heartbeat PINGs")
         ctl.stop()
         _wait(lambda: beats.count("ping") >= 3, "three beats with a failed PING",
               timeout=20)
         ctl = FakeController(incarnation=2, port=port)
         # the unit has read the new controller's reply, and its heartbeat said so
-        _wait(lambda: u.incarnation == 2, "the unit to take the new incarnation", timeout=20)
+        _wait(lambda: u.attach.incarnation == 2, "the unit to take the new incarnation", timeout=20)
         _wait(lambda: lines("reachable and registered again"), "the unit's 'back' line")
         pings = ctl.pings
         _wait(lambda: ctl.pings >= pings + 3, "PINGs after the re-registration")

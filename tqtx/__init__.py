@@ -6,23 +6,11 @@ lazily, so controller and storage-unit processes start without torch.
 """
 from __future__ import annotations
 
+from . import public
 from .version import TRANSFERQUEUE_API_VERSION, __version__
 
-_API = {
-    "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
-    "kv_clear", "save_checkpoint", "load_checkpoint", "dump_data_by_key", "load_data_by_key",
-    "read_row_index", "recover_data_load", "list_restores", "get_client", "KVBatchMeta",
-    "DumpHandle", "get_metrics_endpoint", "list_lost_keys", "BatchMeta",
-    "async_kv_put", "async_kv_batch_put", "async_kv_batch_get", "async_kv_batch_get_by_meta",
-    "async_kv_list", "async_kv_clear", "async_save_checkpoint", "async_load_checkpoint",
-    "async_dump_data_by_key", "async_load_data_by_key", "async_recover_data_load",
-}
-_ERRORS = {"KeysNotFoundError", "RestorePendingError", "PeerTimeoutError", "PeerDiedError",
-           "DumpFormatError", "StateDirInUseError", "TqtxError", "RemoteError",
-           "TargetNotADumpError", "ReadOnlyDumpError", "DumpNotFoundError",
-           "FieldsNotFoundError", "PartitionNotFoundError", "SchemaConflictError",
-           "RowsLostError", "StaleRowsError", "PutPartlyAppliedError", "JournalWriteError",
-           "NotInitializedError"}
+_API = frozenset(public.CALLS + public.ASYNC_CALLS + public.TYPES)
+_ERRORS = frozenset(public.ERRORS)
 
 __all__ = sorted(_API | _ERRORS) + ["__version__", "TRANSFERQUEUE_API_VERSION"]
 

@@ -12,19 +12,14 @@ import functools
 import os
 import threading
 
-from . import semantics
+from . import public, semantics
 from .client import Client, KVBatchMeta
 from .dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
 from .errors import NotInitializedError
 from .gcpause import gc_paused
 from .validate import as_key_list, check_call, is_tensordict
 
-__all__ = [
-    "init", "close", "kv_put", "kv_batch_put", "kv_batch_get", "kv_batch_get_by_meta", "kv_list",
-    "kv_clear", "save_checkpoint", "load_checkpoint", "dump_data_by_key", "load_data_by_key",
-    "read_row_index", "recover_data_load", "list_restores", "get_client", "KVBatchMeta",
-    "get_metrics_endpoint", "list_lost_keys",
-]
+__all__ = [*public.CALLS, "KVBatchMeta"]
 
 _lock = threading.RLock()
 _client: Client | None = None

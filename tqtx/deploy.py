@@ -12,6 +12,7 @@ import time
 
 from . import paths
 from .errors import StateDirInUseError, TqtxError
+from .proc import controller_command, stop_child, unit_command
 
 log = logging.getLogger("tqtx.deploy")
 
@@ -76,11 +77,8 @@ class LocalDeployment:
             self._start_controller(port, start_timeout)
             procs = []
             for uid in range(num_units):
-                procs.append((f"unit {uid}", self._start(f"unit {uid}", [
-                    "-m", "tqtx.storage", "--controller", self.address, "--unit-id", str(uid),
-                    "--host", host, "--state-dir", self.state_dir,
-                    "--log-file", paths.process_log(self.state_dir, f"unit-{uid}")],
-                    {**self.env, **self.unit_env.get(uid, {})})))
+                procs.append((f"unit {uid}", self._start_unit(
+                    uid, {**self.env, **self.unit_env.get(uid, {})})))
             for name, proc in procs:
                 self._ready(name, proc, start_timeout)
             if owner_record:
@@ -109,11 +107,15 @@ class LocalDeployment:
             raise TqtxError(f"{name} failed to start: {msg['error']}: {msg['message']}")
         return msg
 
+    def _start_unit(self, uid: int, env: dict) -> subprocess.Popen:
+        return self._start(f"unit {uid}", unit_command(
+            controller=self.address, unit_id=uid, host=self.host, state_dir=self.state_dir,
+            log_file=paths.process_log(self.state_dir, f"unit-{uid}")), env)
+
     def _start_controller(self, port: int, timeout: float, env: dict | None = None) -> None:
-        proc = self._start("controller", [
-            "-m", "tqtx.controller", "--units", str(self.num_units), "--state-dir",
-            self.state_dir, "--host", self.host, "--port", str(port),
-            "--log-file", paths.process_log(self.state_dir, "controller")],
+        proc = self._start("controller", controller_command(
+            num_units=self.num_units, state_dir=self.state_dir, host=self.host, port=port,
+            log_file=paths.process_log(self.state_dir, "controller")),
             {**self.env, **(env or {})})
         ctl = self._ready("controller", proc, timeout)
         self.address = ctl["ready"]  # with port 0, the one it bound: a restart reuses it
@@ -122,20 +124,8 @@ class LocalDeployment:
     def stop_controller(self, kill: bool = True, timeout: float = 10.0) -> None:
         """Kill -9 the controller (``kill=False``: SIGTERM, a clean stop); units keep running."""
         proc = self.procs.get("controller")
-        if proc is None:
-            return
-        if proc.poll() is None:
-            if kill:
-                proc.kill()
-            else:
-                proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            stop_child(proc, graceful=not kill, timeout=timeout)
 
     def restart_controller(self, kill: bool = True, timeout: float = 60.0,
                            env: dict | None = None) -> None:
@@ -160,15 +150,7 @@ class LocalDeployment:
 
     def wait_state_dir_free(self, timeout: float = 10.0) -> bool:
         """Wait until no controller holds this deployment's ``controller.lock``."""
-        import filelock
-        from .paths import controller_lock_path
-        lock = filelock.FileLock(os.fspath(controller_lock_path(self.state_dir)))
-        try:
-            lock.acquire(timeout=timeout)
-        except filelock.Timeout:
-            return False
-        lock.release()
-        return True
+        return paths.controller_running(self.state_dir, timeout) is False
 
     def liveness(self, name: str):
         """A callable telling why process ``name`` is gone (None while it runs)."""
@@ -185,11 +167,7 @@ class LocalDeployment:
         old = self.procs.get(name)
         if old is not None and old.poll() is None:
             raise RuntimeError(f"{name} is still running")
-        proc = self._start(name, ["-m", "tqtx.storage", "--controller", self.address,
-                                  "--unit-id", str(uid), "--host", self.host, "--state-dir",
-                                  self.state_dir, "--log-file",
-                                  paths.process_log(self.state_dir, f"unit-{uid}")],
-                           {**self.env, **(env or {})})
+        proc = self._start_unit(uid, {**self.env, **(env or {})})
         self._ready(name, proc, timeout)
         if self.record is not None:  # attached processes check the recorded pids
             from .owner import publish
@@ -218,25 +196,9 @@ class LocalDeployment:
                 lock.release()
 
     def _stop_processes(self, graceful: bool, timeout: float) -> None:
-        procs = list(self.procs.items())
-        if graceful:
-            # units first, then the controller, so the journal records a clean end
-            for name, proc in sorted(procs, key=lambda p: p[0] == "controller"):
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout)
-                    except subprocess.TimeoutExpired:
-                        pass
-        for name, proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            if proc.stdout is not None:
-                proc.stdout.close()
+        # units first, then the controller, so the journal records a clean end
+        for name, proc in sorted(self.procs.items(), key=lambda p: p[0] == "controller"):
+            stop_child(proc, graceful=graceful, timeout=timeout)
         for fd in (self._parent_r, self._parent_w):
             try:
                 os.close(fd)

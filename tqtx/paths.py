@@ -163,6 +163,24 @@ def controller_lock_path(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir) / "controller.lock"
 
 
+def controller_running(state_dir: str | os.PathLike, timeout: float = 0.0) -> bool | None:
+    """Does a controller run on ``state_dir``? It holds :func:`controller_lock_path` for its
+    whole life: True while another holds it (after waiting up to ``timeout`` seconds for it
+    to go), False once it is free, None when the lock file cannot even be opened (a
+    read-only state dir: cannot tell)."""
+    import filelock
+
+    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)))
+    try:
+        lock.acquire(timeout=timeout)
+    except filelock.Timeout:  # before OSError: a Timeout is one
+        return True
+    except OSError:
+        return None
+    lock.release()
+    return False
+
+
 def is_own_sibling(name: str, dump_name: str) -> bool:
     """Is ``name`` (an entry beside the dump ``dump_name``) one of tqtx's own sibling files:
     lock, journal files, staging or ``.old``? (Staging and ``.old`` are tqtx's only when a
@@ -267,6 +285,12 @@ def replaceable(path: str | os.PathLike, kind: str) -> bool:
     return manifest_kind(p) == kind or not any(os.scandir(p))
 
 
+def read_only_journal(path: str | os.PathLike) -> sqlite3.Connection:
+    """A plain sqlite3 connection that only reads the journal at ``path``: it never creates,
+    migrates or writes it (sqlite3.Error where it cannot be opened)."""
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+
+
 def journal_accounts_for_old(dump_dir: str | os.PathLike, journal: Path | None = None) -> bool:
     """Does an unfinished publication in the dump journal say ``<dump>.old`` may be tqtx's?
     (Read-only; False without a readable journal.)"""
@@ -274,7 +298,7 @@ def journal_accounts_for_old(dump_dir: str | os.PathLike, journal: Path | None =
     if not path.exists():
         return False
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = read_only_journal(path)
     except sqlite3.Error:
         return False
     try:

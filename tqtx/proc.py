@@ -1,12 +1,70 @@
-"""Process plumbing shared by controller and unit processes (no torch)."""
+"""Process plumbing shared by controller and unit processes and the code that starts them
+(no torch): their command lines, the parent watch, the ready announcement, logging, stop."""
 from __future__ import annotations
 
 import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
+
+CONTROLLER_MODULE = "tqtx.controller"
+UNIT_MODULE = "tqtx.storage"
+
+
+def controller_args(*, num_units: int, state_dir: str, host: str, port: int | str,
+                    log_file: str | None = None) -> list[str]:
+    """The options of ``python -m tqtx.controller`` (its ``main(argv)``)."""
+    args = ["--units", str(num_units), "--state-dir", state_dir, "--host", host,
+            "--port", str(port)]
+    return args + (["--log-file", log_file] if log_file else [])
+
+
+def unit_args(*, controller: str, unit_id: int, host: str, port: int | str | None = None,
+              state_dir: str | None = None, log_file: str | None = None) -> list[str]:
+    """The options of ``python -m tqtx.storage`` (its ``main(argv)``); without
+    ``state_dir`` the unit finds the deployment's keys by ``$TQTX_KEYS_DIR``."""
+    args = ["--controller", controller, "--unit-id", str(unit_id), "--host", host]
+    if port is not None:
+        args += ["--port", str(port)]
+    if state_dir is not None:
+        args += ["--state-dir", state_dir]
+    return args + (["--log-file", log_file] if log_file else [])
+
+
+def controller_command(**options) -> list[str]:
+    """``-m tqtx.controller`` and :func:`controller_args` (after ``sys.executable``)."""
+    return ["-m", CONTROLLER_MODULE, *controller_args(**options)]
+
+
+def unit_command(**options) -> list[str]:
+    """``-m tqtx.storage`` and :func:`unit_args` (after ``sys.executable``)."""
+    return ["-m", UNIT_MODULE, *unit_args(**options)]
+
+
+def stop_child(proc: subprocess.Popen, *, graceful: bool = True,
+               timeout: float = 10.0) -> int | None:
+    """Stop a server child process: SIGTERM and up to ``timeout`` seconds for it to exit
+    (``graceful``), then SIGKILL and up to 5 s more; its stdout pipe is closed. Returns its
+    exit code (None if it outlived even that)."""
+    if graceful and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    rc = None
+    try:
+        rc = proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return rc
 
 
 def watch_parent(fd: int | None) -> None:

@@ -8,6 +8,7 @@
   forward (in memory: the journal's claim is ``staged`` until it is ``applied``).
 * :data:`CHECKPOINT_LOAD` -- a ``load_checkpoint`` (the controller's ``checkpoint_load``
   marker in its journal is the decision).
+* :data:`UNIT_CHECKPOINT` -- one unit's side of a checkpoint load (in the unit's memory).
 * :data:`DUMP_JOB` -- one unit's shard of a dump (in the unit's memory).
 
 The strings are what the journals store and what goes on the wire; they never change.
@@ -169,6 +170,18 @@ CHECKPOINT_LOAD = Machine(
     moves={
         STAGING: frozenset({DECIDED, DROPPED}),   # every unit staged its file / one failed
         DECIDED: frozenset({SWITCHED}),            # only forward once decided
+    },
+)
+
+# A unit reads its checkpoint file and stages the rows, then switches to them; a staged load
+# is dropped when abandoned or pushed out by newer ones (see tqtx.storage.checkpoints).
+UNIT_CHECKPOINT = Machine(
+    "unit checkpoint load",
+    states=(READING, STAGED, APPLIED, FAILED, DROPPED),
+    final=(APPLIED, FAILED, DROPPED),
+    moves={
+        READING: frozenset({STAGED, FAILED}),
+        STAGED: frozenset({APPLIED, DROPPED}),
     },
 )
 

@@ -46,7 +46,7 @@ class InProcessDeployment:
                 unit = StorageUnit(uid, self.address)
                 self.units.append(unit)
                 self._serve(unit.serve_forever, f"unit-{uid}")
-                unit.register(timeout=timeout)
+                unit.attach.register(timeout=timeout)
             self.client = Client(self.address, timeout=timeout, wait_ready=timeout)
         except BaseException:
             self.stop()

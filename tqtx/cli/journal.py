@@ -24,8 +24,8 @@ from ..journal.migrate import CONTROLLER, DUMP, HEADS, head_revision, migrate
 from ..journal.migrate import _stamped_revision as stamped_revision
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import (
-    JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, default_state_dir,
-    dump_journal_path, relocated_path, siblings_writable,
+    JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, controller_running,
+    default_state_dir, dump_journal_path, read_only_journal, relocated_path, siblings_writable,
 )
 from ..states import DUMP_RESTORE_FINAL
 
@@ -75,7 +75,7 @@ def _ro_publications(dump_dir: str, limit: int | None, unreadable: list) -> list
     if not path.exists():
         return []
     try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        con = read_only_journal(path)
     except sqlite3.Error as exc:
         unreadable.append({"journal": str(path), "error": f"{type(exc).__name__}: {exc}"})
         return []
@@ -98,16 +98,7 @@ def controller_status(state_dir: Path, incarnations: list[dict]) -> dict:
     newest = incarnations[0] if incarnations else {}
     out = {k: newest.get(k) for k in ("pid", "host", "address", "ended_at")}
     out["incarnation"] = newest.get("id")
-    lock = FileLock(os.fspath(controller_lock_path(state_dir)), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        out["running"] = True
-    except OSError:  # a read-only state dir: the lock file cannot even be opened
-        out["running"] = None
-    else:
-        lock.release()
-        out["running"] = False
+    out["running"] = controller_running(state_dir)
     return out
 
 
@@ -381,7 +372,7 @@ def migrate_cmd(dump_dir, state_dir) -> None:
 
 def check_journal(path: Path, kind: str) -> dict:
     """Integrity, foreign-key and revision checks on a journal file (read-only)."""
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    con = read_only_journal(path)
     problems: list[str] = []
     try:
         integrity = [r[0] for r in con.execute("PRAGMA integrity_check")]

@@ -51,10 +51,11 @@ def controller(num_units, port, host, state_dir, insecure):
     """Run only the controller (units join with `tqtx unit`)."""
     from ..controller.__main__ import main as run
     from ..paths import default_state_dir
+    from ..proc import controller_args
     if insecure:
         os.environ["TQTX_INSECURE"] = "1"
-    sys.exit(run(["--units", str(num_units), "--port", str(port), "--host", host,
-                  "--state-dir", state_dir or str(default_state_dir())]))
+    sys.exit(run(controller_args(num_units=num_units, state_dir=state_dir
+                                 or str(default_state_dir()), host=host, port=port)))
 
 
 @click.command()
@@ -70,6 +71,7 @@ def controller(num_units, port, host, state_dir, insecure):
 @click.option("--insecure", is_flag=True)
 def unit(controller_address, unit_id, port, host, keys_dir, node, insecure):
     """Run one storage unit that registers with a controller (see docs/deployment.md)."""
+    from ..proc import unit_args
     from ..storage.__main__ import main as run
     if insecure:
         os.environ["TQTX_INSECURE"] = "1"
@@ -77,5 +79,5 @@ def unit(controller_address, unit_id, port, host, keys_dir, node, insecure):
         os.environ["TQTX_KEYS_DIR"] = os.path.abspath(keys_dir)
     if node:
         os.environ["TQTX_NODE"] = node
-    sys.exit(run(["--controller", controller_address, "--unit-id", str(unit_id), "--port",
-                  str(port), "--host", host]))
+    sys.exit(run(unit_args(controller=controller_address, unit_id=unit_id, host=host,
+                           port=port)))

@@ -19,7 +19,7 @@ from ..get_path import read_rows
 from ..errors import StaleRowsError
 from ..gcpause import gc_paused
 from ..journal.store import DumpJournal
-from ..validate import check_utf8
+from ..validate import DUMP_KEYS, check_utf8
 from ..version import __version__
 from ..wire.columns import NUMPY_DTYPE, unpack_int64
 from ..wire.peer import call_many
@@ -118,17 +118,10 @@ def warm() -> None:
 
 
 def normalize_keys(keys) -> list[str]:
-    if isinstance(keys, str):
-        raise TypeError("keys must be a list of str, not a single str")
-    out = list(dict.fromkeys(keys))  # duplicates dropped, first wins
-    try:  # one C-level pass: join takes only str (and subclasses), encode refuses surrogates
-        "".join(out).encode("utf-8")
-    except TypeError:
-        bad = next(k for k in out if not isinstance(k, str))
-        raise TypeError(f"keys must be str; got {type(bad).__name__} {bad!r}") from None
-    except UnicodeEncodeError:
-        check_utf8("keys", out)  # names the key
-    return out
+    """``keys`` checked as :func:`tqtx.dump_data_by_key` takes them (:data:`DUMP_KEYS`: a
+    list, tuple or set of str), duplicates dropped (the first wins)."""
+    DUMP_KEYS.check("dump_data_by_key()", "keys", keys)
+    return list(dict.fromkeys(keys))
 
 
 def check_no_reader(client, journal: DumpJournal, dump_dir: str) -> None:

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import paths
 from ..errors import StateDirInUseError, TqtxError
+from ..proc import controller_command, unit_command
 from .plan import RayPlacementError, node_label, plan_units
 from .ray_host import ServerHost, read_key_files
 
@@ -203,8 +204,8 @@ class RayDeployment(_RayTopology):
             log_dir = paths.log_dir(self.state_dir)
             os.makedirs(log_dir, exist_ok=True)
             info = self._start({"controller": ctl.start.remote(
-                ["-m", "tqtx.controller", "--units", str(num_units), "--state-dir",
-                 self.state_dir, "--host", "{host}", "--port", "0"], env, key_files,
+                controller_command(num_units=num_units, state_dir=self.state_dir,
+                                   host="{host}", port=0), env, key_files,
                 paths.process_log(self.state_dir, "controller"),
                 self._process_timeout(deadline))}, deadline)
             self.address = info["controller"]["ready"]
@@ -222,9 +223,8 @@ class RayDeployment(_RayTopology):
             for uid in range(num_units):
                 name = f"unit {uid}"
                 same = wanted[name] == here
-                args = ["-m", "tqtx.storage", "--controller", self.address, "--unit-id",
-                        str(uid), "--host", "{host}"] + (["--state-dir", self.state_dir]
-                                                         if same else [])
+                args = unit_command(controller=self.address, unit_id=uid, host="{host}",
+                                    state_dir=self.state_dir if same else None)
                 refs[name] = units[name].start.remote(
                     args, {**env, **{k: str(v) for k, v in unit_env.get(uid, {}).items()}},
                     key_files, paths.process_log(self.state_dir, f"unit-{uid}") if same else None,

@@ -83,23 +83,10 @@ class ServerHost:
 
     def stop(self, graceful: bool = True, timeout: float = 10.0) -> int | None:
         """Stop the server (SIGTERM, then SIGKILL); returns its exit code."""
+        from ..proc import stop_child
+
         proc, self.proc = self.proc, None
-        rc = None
-        if proc is not None:
-            if graceful and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
-            if proc.poll() is None:
-                proc.kill()
-            try:
-                rc = proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            if proc.stdout is not None:
-                proc.stdout.close()
+        rc = None if proc is None else stop_child(proc, graceful=graceful, timeout=timeout)
         if self._parent_w is not None:
             os.close(self._parent_w)
             self._parent_w = None

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
         unit = StorageUnit(args.unit_id, args.controller, host=args.host, port=args.port,
                            curve=server_curve_for(args.host, args.state_dir),
                            client_curve=client_curve_for(args.state_dir))
-        unit.register()
+        unit.attach.register()
     except Exception as exc:
         announce({"error": type(exc).__name__, "message": str(exc)})
         return 2
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     from .memory import FEW_ROWS, start_trimmer
     # freed row memory goes back to the OS (docs/performance.md, *Unit memory*)
     unit.trimmer = start_trimmer(collect_if=lambda: len(unit.rows) <= FEW_ROWS)
-    unit.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
+    unit.attach.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
     unit.serve_forever()
     return 0
 

@@ -1,12 +1,13 @@
 """REGISTER_UNIT and re-attach: a unit reports what it holds to (a restarted) controller.
 
-Mixed into :class:`tqtx.storage.unit.StorageUnit` (uses its server, rows, gens, restore
-worker and drop_rows). The held report is built from a snapshot of the rows;
-the controller answers which of them it does not know (``drop``) and which staged
-restores it does not hold open (``drop_staged``). Only the request loop writes
-``self.rows``, so the drop runs there (:meth:`Server.call_soon`), sparing every index a
-put or apply wrote after the snapshot. A heartbeat thread PINGs the controller and
-registers again when the reply names a new incarnation. See docs/reliability.md.
+:class:`UnitAttachment` is the role of :class:`tqtx.storage.unit.StorageUnit` that does this
+(it reads the unit's server, rows, gens, restore worker and checkpoint handlers, and drops
+rows through its DROP_ROWS handler). The held report is built from a snapshot of the rows;
+the controller answers which of them it does not know (``drop``) and which staged restores
+it does not hold open (``drop_staged``). Only the request loop writes the unit's rows, so
+the drop runs there (:meth:`Server.call_soon`), sparing every index a put or apply wrote
+after the snapshot. A heartbeat thread PINGs the controller and registers again when the
+reply names a new incarnation. See docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import threading
 
 from .. import faults
 from ..wire.peer import Peer
+from .checkpoints import CheckpointSwitch
 from .memory import pause
 
 log = logging.getLogger("tqtx.unit")
@@ -44,18 +46,22 @@ def held_report(rows: dict[int, dict], gens: dict[int, int]) -> dict:
             "field_sets": [list(s) for s in by_set], "fields_of": fields_of}
 
 
-class UnitAttach:
-    """Unit side of REGISTER_UNIT: the held report, applying the reply, the heartbeat."""
+class UnitAttachment:
+    """Unit side of REGISTER_UNIT for :class:`~tqtx.storage.unit.StorageUnit` ``unit``: the
+    held report, applying the reply, the heartbeat. ``incarnation`` is the controller
+    incarnation registered with; ``write_watch`` holds one set per registration in flight,
+    the indexes written since its snapshot (the request loop adds to them through
+    :meth:`note_writes`)."""
 
-    def _init_attach(self) -> None:
-        self.incarnation: int | None = None  # the controller incarnation registered with
-        # one set per registration in flight: indexes written since its snapshot
+    def __init__(self, unit):
+        self.unit = unit
+        self.incarnation: int | None = None
         self.write_watch: list[set] = []  # replaced, never changed in place: the loop reads it
         self._watch_lock = threading.Lock()
-        self.attach_stop = threading.Event()
+        self.stopped = threading.Event()  # set when the unit stops serving: no more beats
         self._register_lock = threading.Lock()
 
-    def _note_writes(self, *indexes) -> None:
+    def note_writes(self, *indexes) -> None:
         """Called by the request loop after a put or apply while a registration is in flight."""
         for watch in self.write_watch:
             for part in indexes:
@@ -67,7 +73,7 @@ class UnitAttach:
         Returns the reply. The drops are queued to the request loop (they run before it
         reads its next request, or on its first turn when it has not started yet)."""
         own = peer is None
-        peer = self.controller() if own else peer
+        peer = self.unit.controller() if own else peer
         try:
             with self._register_lock:
                 return self._register(peer, timeout)
@@ -83,39 +89,40 @@ class UnitAttach:
         # reading their field names off the loop is safe.
         with self._watch_lock:
             self.write_watch = [*self.write_watch, written]
-        rows = self.rows
+        unit = self.unit
+        rows = unit.rows
         try:
             # rows and gens change together only on the loop: both copies are taken under
             # the GIL in one go, so a row and its generation always match
-            snapshot, gens = dict(rows), dict(self.gens)
-            staged = self.restore.staged_ids()
+            snapshot, gens = dict(rows), dict(unit.gens)
+            staged = unit.restore.staged_ids()
             faults.hit("unit.register.after_snapshot")
             # "attached": this process served an earlier controller, so the deployment it
             # belongs to is alive even if it holds no row (tag-only keys, all cleared)
-            body = {"unit_id": self.unit_id, "address": self.address,
+            body = {"unit_id": unit.unit_id, "address": unit.address,
                     "attached": self.incarnation is not None,
                     "held": held_report(snapshot, gens), "staged": staged,
-                    "checkpoint": {"applied": self.checkpoints.applied,
-                                   "staged": list(self.checkpoints.staged)}}
+                    "checkpoint": {"applied": unit.checkpoints.applied,
+                                   "staged": list(unit.checkpoints.staged)}}
             snapshot = gens = None
             reply = peer.call("REGISTER_UNIT", body, timeout=timeout) or {}
         except BaseException:
-            self.server.call_soon(lambda: self._unwatch(written))
+            unit.server.call_soon(lambda: self._unwatch(written))
             raise
         self.incarnation = reply.get("incarnation")
         if reply.get("apply_checkpoint"):
             # a restarted controller rolls a decided checkpoint load forward: switch, then
             # report again (the next heartbeat registers: -1 matches no incarnation)
-            switch = {"load_id": reply["apply_checkpoint"], "gen_base": reply["gen_base"]}
+            switch = CheckpointSwitch(reply["apply_checkpoint"], int(reply["gen_base"]))
             self.incarnation = -1
-            self.server.call_soon(lambda: (self._unwatch(written),
-                                           self.checkpoints.apply(switch, None)))
+            unit.server.call_soon(lambda: (self._unwatch(written),
+                                           unit.checkpoints.switch(switch)))
             return reply
         drop, drop_staged = reply.get("drop") or [], reply.get("drop_staged") or []
         log.info("unit %d registered with controller incarnation %s: holds %d rows, %d staged "
-                 "restores; %d rows, %d restores to drop", self.unit_id, self.incarnation,
+                 "restores; %d rows, %d restores to drop", unit.unit_id, self.incarnation,
                  len(body["held"]["indexes"]), len(staged), len(drop), len(drop_staged))
-        self.server.call_soon(lambda: self._apply_register_reply(rows, written, drop,
+        unit.server.call_soon(lambda: self._apply_register_reply(rows, written, drop,
                                                                  drop_staged))
         return reply
 
@@ -129,19 +136,20 @@ class UnitAttach:
         not know, except those written since the snapshot, and the staged restores it does
         not hold open."""
         self._unwatch(written)
-        if drop and self.rows is not rows:
+        unit = self.unit
+        if drop and unit.rows is not rows:
             log.warning("unit %d: a checkpoint replaced its rows while registering; not "
-                        "dropping the %d rows the controller did not know", self.unit_id,
+                        "dropping the %d rows the controller did not know", unit.unit_id,
                         len(drop))
         elif drop:
             kept = sum(1 for i, _ in drop if i in written)
             gone = [(i, g) for i, g in drop if i not in written]
-            done = self.drop_rows({"indexes": [i for i, _ in gone],
+            done = unit.drop_rows({"indexes": [i for i, _ in gone],
                                    "gens": [g for _, g in gone]}, None)
             log.info("unit %d dropped %d rows the controller does not know (kept %d written "
-                     "since its report)", self.unit_id, done["dropped"], kept)
+                     "since its report)", unit.unit_id, done["dropped"], kept)
         for rid in drop_staged:
-            self.restore.drop_staged({"restore_id": rid}, None)
+            unit.restore.drop_staged({"restore_id": rid}, None)
 
     # ---------------------------------------------------------------- heartbeat
     def start_heartbeat(self, period: float | None = None) -> threading.Thread | None:
@@ -150,23 +158,24 @@ class UnitAttach:
         if period <= 0:
             return None
         t = threading.Thread(target=self._heartbeat, args=(period,), daemon=True,
-                             name=f"unit{self.unit_id}-heartbeat")
+                             name=f"unit{self.unit.unit_id}-heartbeat")
         t.start()
         return t
 
     def _heartbeat(self, period: float) -> None:
         wait = max(1.0, 2 * period)  # per PING; a gone controller is noticed within that
-        peer = Peer(self.controller_address, "controller", timeout=wait,
-                    curve=self.client_curve, connect_timeout=wait)
+        unit = self.unit
+        peer = Peer(unit.controller_address, "controller", timeout=wait,
+                    curve=unit.client_curve, connect_timeout=wait)
         trouble = ""  # what went wrong at the last beat: logged once, not once per beat
         try:
-            while not pause(self.attach_stop, period):
+            while not pause(self.stopped, period):
                 now, why = self._beat(peer, wait)
                 if now and now != trouble:
-                    log.warning("unit %d: %s; retrying every %gs", self.unit_id, why, period)
+                    log.warning("unit %d: %s; retrying every %gs", unit.unit_id, why, period)
                 elif trouble and not now:
                     log.info("unit %d: controller at %s reachable and registered again",
-                             self.unit_id, self.controller_address)
+                             unit.unit_id, unit.controller_address)
                 trouble = now
         finally:
             peer.close()
@@ -174,7 +183,7 @@ class UnitAttach:
     def _beat(self, peer: Peer, wait: float) -> tuple[str, str]:
         """One PING, and REGISTER_UNIT if the controller is a new incarnation. Returns
         ("", "") or the kind of failure and what happened."""
-        where = f"controller at {self.controller_address}"
+        where = f"controller at {self.unit.controller_address}"
         try:
             incarnation = (peer.call("PING", timeout=wait) or {}).get("incarnation")
         except Exception as exc:
@@ -183,7 +192,7 @@ class UnitAttach:
         if incarnation is None or incarnation == self.incarnation:
             return "", ""
         log.info("unit %d: %s is incarnation %s (registered with %s): registering again",
-                 self.unit_id, where, incarnation, self.incarnation)
+                 self.unit.unit_id, where, incarnation, self.incarnation)
         try:
             self.register(timeout=max(30.0, wait), peer=peer)
         except Exception as exc:

@@ -1,60 +1,139 @@
-"""A unit's side of a whole-system checkpoint: SAVE_CHECKPOINT, LOAD_CHECKPOINT (stage),
-APPLY_CHECKPOINT (switch), DROP_CHECKPOINT (see :mod:`tqtx.checkpoint`).
+"""A unit's side of a whole-system checkpoint, top to bottom (the client's side is
+:mod:`tqtx.checkpoint`, the controller's decision ``checkpoint_load`` in
+:mod:`tqtx.controller.kv`).
 
-A checkpoint load is a two-phase switch: every unit reads and stages its file, then the
-controller journals the checkpoint's metadata (the decision) and has every unit switch; a
-controller restarted in between rolls the switch forward as the units re-register.
+Saving is one step: SAVE_CHECKPOINT (:meth:`UnitCheckpoints.save`) writes the rows the
+checkpoint's metadata names to this unit's file, each only if it still holds the generation
+named.
+
+Loading is a two-phase switch, each load moving through :data:`tqtx.states.UNIT_CHECKPOINT`
+(``reading -> staged -> applied``; ``failed`` if the file cannot be read, ``dropped`` if
+abandoned or pushed out by newer staged loads):
+
+1. LOAD_CHECKPOINT (:meth:`UnitCheckpoints.load`): read this unit's file in a worker thread
+   and stage its rows, invisible (every unit must have read its file before any switches).
+2. APPLY_CHECKPOINT (:meth:`UnitCheckpoints.apply`): after the controller journaled the
+   checkpoint's metadata (the decision), switch to the staged rows: the row at index ``i``
+   takes generation ``gen_base + i``, as on the controller. Idempotent for the load last
+   applied; a controller restarted in between rolls the switch forward as the units
+   re-register (:mod:`tqtx.storage.attach` applies the :class:`CheckpointSwitch` its
+   REGISTER_UNIT reply names).
+3. DROP_CHECKPOINT (:meth:`UnitCheckpoints.drop`): an abandoned load's staged rows go.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from .. import format as fmt
+from .. import states as st
 from ..wire.columns import unpack_int64
-from ..wire.values import value_nbytes
-
+from ..wire.values import row_nbytes
 
 # Staged loads kept at once: concurrent load_checkpoint calls each stage their own (the
 # controller then switches the units to one after the other); a client that died between
 # staging and switching leaves one behind, dropped once newer ones are staged.
 STAGED_LOADS = 2
 
+BATCH = 128  # records per read batch
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """SAVE_CHECKPOINT: write to ``path`` the rows at ``indexes``, each of the generation
+    ``gens`` names, with its key and its partition (``partitions[part_of[i]]``)."""
+
+    path: str
+    indexes: array
+    gens: array
+    keys: list[str]
+    part_of: array
+    partitions: list[str]
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "SaveRequest":
+        req = cls(body["path"], unpack_int64(body["indexes"]), unpack_int64(body["gens"]),
+                  body["keys"], unpack_int64(body["part_of"]), body["partitions"])
+        if not len(req.indexes) == len(req.gens) == len(req.keys) == len(req.part_of):
+            raise ValueError(f"SAVE_CHECKPOINT: {len(req.indexes)} indexes, {len(req.gens)} "
+                             f"generations, {len(req.keys)} keys, {len(req.part_of)} "
+                             f"partitions")
+        return req
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """LOAD_CHECKPOINT: stage as load ``load_id`` the records ``entries`` (``[index, offset,
+    length, crc]``) of this unit's checkpoint file ``path``."""
+
+    load_id: str
+    path: str
+    entries: list
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "LoadRequest":
+        return cls(body["load_id"], body["path"], body["entries"])
+
+
+@dataclass(frozen=True)
+class CheckpointSwitch:
+    """APPLY_CHECKPOINT (or a REGISTER_UNIT reply's roll-forward): switch to staged load
+    ``load_id``; the row at index ``i`` takes generation ``gen_base + i``."""
+
+    load_id: str
+    gen_base: int
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "CheckpointSwitch":
+        return cls(body["load_id"], int(body["gen_base"]))
+
+
+@dataclass
+class StagedLoad:
+    """One checkpoint load on this unit: its rows by index and their value bytes, and where
+    it is in :data:`tqtx.states.UNIT_CHECKPOINT`."""
+
+    load_id: str
+    rows: dict[int, dict] = field(default_factory=dict)
+    nbytes: int = 0
+    state: str = st.READING
+
+    def move(self, to: str) -> None:
+        st.check(st.UNIT_CHECKPOINT, self.state, to, subject=f"checkpoint load {self.load_id}")
+        self.state = to
+
 
 class UnitCheckpoints:
     """The checkpoint handlers of :class:`~tqtx.storage.unit.StorageUnit` ``unit``:
-    ``staged`` maps the ID of each staged load to ``(rows, bytes)``, ``applied`` is the
-    load ID it switched to last."""
+    ``staged`` maps the ID of each staged load (oldest first) to its :class:`StagedLoad`,
+    ``applied`` is the load ID it switched to last."""
 
     def __init__(self, unit):
         self.unit = unit
-        self.staged: OrderedDict[str, tuple[dict, int]] = OrderedDict()
+        self.staged: OrderedDict[str, StagedLoad] = OrderedDict()
         self.applied: str | None = None
 
+    # ---------------------------------------------------------------- save
     def save(self, body, req):
-        """Write the rows the checkpoint's metadata names (``indexes``, ``gens``, ``keys``,
-        and per row its partition: ``part_of`` into ``partitions``), each only if it holds
-        that generation: the others (cleared since the controller's snapshot) come back as
-        ``missing`` and the client leaves their keys out of the checkpoint."""
+        """Write the rows the checkpoint's metadata names (:class:`SaveRequest`), each only
+        if it holds that generation: the others (cleared since the controller's snapshot)
+        come back as ``missing`` and the client leaves their keys out of the checkpoint."""
         unit = self.unit
-        indexes, want = unpack_int64(body["indexes"]), unpack_int64(body["gens"])
-        keys, part_of, partitions = body["keys"], unpack_int64(body["part_of"]), body["partitions"]
-        if not len(indexes) == len(want) == len(keys) == len(part_of):
-            raise ValueError(f"SAVE_CHECKPOINT: {len(indexes)} indexes, {len(want)} "
-                             f"generations, {len(keys)} keys, {len(part_of)} partitions")
-        rows, gens = unit.rows, unit.gens
-        snapshot, missing = [], []
-        for idx, gen, key, p in zip(indexes, want, keys, part_of):
+        save = SaveRequest.from_wire(body)
+        rows, gens, partitions = unit.rows, unit.gens, save.partitions
+        records, missing = [], []  # records: the format's (index, row, gen, partition, key)
+        for idx, gen, key, p in zip(save.indexes, save.gens, save.keys, save.part_of):
             if gens.get(idx) == gen:
-                snapshot.append((idx, rows[idx], gen, partitions[p], key))
+                records.append((idx, rows[idx], gen, partitions[p], key))
             else:
                 missing.append(idx)
-        path = body["path"]
         deferred = unit.server.deferred(req, unit.server.current_ident)
 
         def work():
             try:
-                writer = fmt.ShardWriter(path)
-                writer.write_rows(snapshot)
+                writer = fmt.ShardWriter(save.path)
+                writer.write_rows(records)
                 entries = writer.close(fsync=True)
                 deferred.reply({"entries": entries, "bytes": writer.bytes_written,
                                 "rows": len(entries), "missing": missing})
@@ -64,59 +143,74 @@ class UnitCheckpoints:
         unit.pool.submit(work)
         return deferred
 
+    # ---------------------------------------------------------------- 1. read and stage
     def load(self, body, req):
+        """Read this unit's checkpoint file in a worker thread and stage its rows."""
         unit = self.unit
-        path, entries = body["path"], body["entries"]
+        request = LoadRequest.from_wire(body)
         deferred = unit.server.deferred(req, unit.server.current_ident)
 
         def work():
+            load = StagedLoad(request.load_id)
             try:
-                rows = {}
-                total = 0
-                if entries:
-                    for batch in fmt.read_records(path, entries, batch=128):
-                        for idx, row in batch:
-                            rows[idx] = row
-                            total += _row_nbytes(row)
-                # Staged only: every unit must have read its file before any unit switches.
-                self._stage(body["load_id"], rows, total)
-                deferred.reply({"rows": len(rows)})
+                try:
+                    _read(request, load)
+                except BaseException:
+                    load.move(st.FAILED)
+                    raise
+                self._stage(load)
+                deferred.reply({"rows": len(load.rows)})
             except BaseException as exc:
                 deferred.reply(error=exc)
 
         unit.pool.submit(work)
         return deferred
 
-    def _stage(self, load_id: str, rows: dict, total: int) -> None:
+    def _stage(self, load: StagedLoad) -> None:
+        """Keep ``load`` (replacing an earlier one of its ID); the oldest beyond
+        :data:`STAGED_LOADS` are dropped."""
+        load.move(st.STAGED)
         staged = self.staged
-        staged.pop(load_id, None)
-        staged[load_id] = (rows, total)
+        staged.pop(load.load_id, None)
+        staged[load.load_id] = load
         while len(staged) > STAGED_LOADS:
-            staged.popitem(last=False)
+            staged.popitem(last=False)[1].move(st.DROPPED)
 
+    # ---------------------------------------------------------------- 2. switch
     def apply(self, body, req):
-        """Switch to the staged checkpoint rows (idempotent for the same load_id); the row
-        at index ``i`` takes generation ``gen_base + i``, as on the controller."""
-        unit = self.unit
-        load_id = body["load_id"]
-        staged = self.staged.pop(load_id, None)
-        if staged is None:
-            if self.applied == load_id:
-                return {"rows": len(unit.rows)}
-            raise RuntimeError(f"unit {unit.unit_id} has no staged checkpoint {load_id}")
-        rows, total = staged
-        base = int(body["gen_base"])
-        unit.rows = rows
-        unit.gens = {idx: base + idx for idx in rows}
-        unit.bytes_held = total
-        self.applied = load_id
-        unit.restore.drop_all()
-        return {"rows": len(rows)}
+        return self.switch(CheckpointSwitch.from_wire(body))
 
+    def switch(self, switch: CheckpointSwitch) -> dict:
+        """Make the staged load's rows the unit's rows (idempotent for the load last
+        applied); every staged restore is dropped, as its rows' indexes no longer hold
+        what it planned against."""
+        unit = self.unit
+        load = self.staged.pop(switch.load_id, None)
+        if load is None:
+            if self.applied == switch.load_id:
+                return {"rows": len(unit.rows)}
+            raise RuntimeError(f"unit {unit.unit_id} has no staged checkpoint {switch.load_id}")
+        load.move(st.APPLIED)
+        unit.rows = load.rows
+        unit.gens = {idx: switch.gen_base + idx for idx in load.rows}
+        unit.bytes_held = load.nbytes
+        self.applied = switch.load_id
+        unit.restore.drop_all()
+        return {"rows": len(load.rows)}
+
+    # ---------------------------------------------------------------- 3. drop
     def drop(self, body, req):
-        self.staged.pop(body["load_id"], None)
+        load = self.staged.pop(body["load_id"], None)
+        if load is not None:
+            load.move(st.DROPPED)
         return {"ok": True}
 
 
-def _row_nbytes(row: dict) -> int:
-    return sum(value_nbytes(v) for v in row.values())
+def _read(request: LoadRequest, load: StagedLoad) -> None:
+    """Read the records ``request`` names (checksums verified) into ``load``."""
+    if not request.entries:
+        return
+    for batch in fmt.read_records(request.path, request.entries, batch=BATCH):
+        for idx, row in batch:
+            load.rows[idx] = row
+            load.nbytes += row_nbytes(row)

@@ -29,7 +29,7 @@ from ..plan import LoadItem, RedoItem
 from ..schema import validate_row
 from ..wire.id_records import IdRecords
 from ..wire.peer import CONNECT_TIMEOUT, Peer
-from ..wire.values import value_nbytes
+from ..wire.values import row_nbytes
 
 log = logging.getLogger("tqtx.unit")
 
@@ -106,8 +106,7 @@ class ReadPlan:
                     validate_row(row, schema, where=partial(_location, path, src))
                     for dest, gen in targets[(path, src)]:
                         staged[dest] = (gen, row)
-                    for v in row.values():
-                        nbytes += value_nbytes(v)
+                    nbytes += row_nbytes(row)
                 after_batch()
         return nbytes
 
@@ -270,8 +269,8 @@ class RestoreWorker:
             # new indexes are reserved), so this is a bug: never write over it.
             log.error("restore %s: unit %d did not apply %d rows: their indexes hold newer "
                       "keys (%s)", rid, unit.unit_id, len(skipped), skipped[:10])
-        if unit.write_watch:
-            unit._note_writes(staged)
+        if unit.attach.write_watch:
+            unit.attach.note_writes(staged)
         self.applied.record(rid, len(staged))
         faults.hit("unit.apply.after_apply")
         log.info("restore %s: unit %d applied %d rows", rid, unit.unit_id, len(staged))

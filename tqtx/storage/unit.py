@@ -30,8 +30,8 @@ from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Server
-from ..wire.values import forget_shapes, value_nbytes
-from .attach import UnitAttach
+from ..wire.values import forget_shapes, row_nbytes, value_nbytes
+from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
 from .dump_job import DumpJob
 from .memory import free_bytes, own_small_frames
@@ -68,7 +68,11 @@ def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
         return False
 
 
-class StorageUnit(UnitAttach):
+class StorageUnit:
+    """A storage unit: its rows (``rows``, ``gens``), the roles that serve them (``attach``:
+    REGISTER_UNIT and the heartbeat; ``restore``: the restore steps; ``checkpoints``: the
+    checkpoint steps; dumps run here) and the request table of its server."""
+
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
                  port: int = 0, curve=None, client_curve=None):
         self.unit_id = unit_id
@@ -76,18 +80,26 @@ class StorageUnit(UnitAttach):
         self.client_curve = client_curve
         self.server = Server(f"unit-{unit_id}", host, port, curve=curve)
         self.address = self.server.address
+        self.metrics = self.server.metrics
+        self.started = time.time()
+        # the rows: only the request loop writes them (see the module docstring)
         self.rows: dict[int, dict] = {}
         self.gens: dict[int, int] = {}  # index -> generation of the row held there
-        self.restore = RestoreWorker(self)
-        self.dump_jobs: dict[str, DumpJob] = {}
-        self.checkpoints = UnitCheckpoints(self)
+        self.bytes_held = 0  # running total of the live rows' value bytes (no O(rows) stats)
+        self.reply_files = shm.ReplyFiles(unit_id)
         self.pool = ThreadPoolExecutor(max_workers=IO_THREADS,
                                        initializer=self.server.prepare_thread,
                                        thread_name_prefix=f"unit{unit_id}-io")
         _start_all(self.pool)
-        self.started = time.time()
-        self.reply_files = shm.ReplyFiles(unit_id)
-        self._init_attach()
+        self.trimmer = None  # the process's malloc trimmer (storage/__main__ starts it)
+        # the roles
+        self.attach = UnitAttachment(self)
+        self.restore = RestoreWorker(self)
+        self.checkpoints = UnitCheckpoints(self)
+        self.dump_jobs: dict[str, DumpJob] = {}
+        self._register_handlers()
+
+    def _register_handlers(self) -> None:
         s = self.server
         for op, fn, mutating in [
             ("PING", self.ping, False), ("PUT_ROWS", self.put_rows, True),
@@ -107,13 +119,11 @@ class StorageUnit(UnitAttach):
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
             s.add(op, fn, mutating=mutating)
-        s.metrics.declare(totals=UNIT_TOTALS)
-        self.trimmer = None  # the process's malloc trimmer (storage/__main__ starts it)
-        self.bytes_held = 0  # running total of the live rows' value bytes (no O(rows) stats)
-        self.metrics = s.metrics
-        self.metrics.gauge("rows_held", lambda: len(self.rows))
-        self.metrics.gauge("bytes_held", lambda: self.bytes_held)
-        self.metrics.gauge("open_restores", lambda: len(self.restore.staging))
+        m = self.metrics
+        m.declare(totals=UNIT_TOTALS)
+        m.gauge("rows_held", lambda: len(self.rows))
+        m.gauge("bytes_held", lambda: self.bytes_held)
+        m.gauge("open_restores", lambda: len(self.restore.staging))
 
     def controller(self) -> Peer:
         return Peer(self.controller_address, "controller", timeout=60, curve=self.client_curve)
@@ -139,13 +149,11 @@ class StorageUnit(UnitAttach):
         held = gens.get(idx)
         if held is not None and held > gen:
             return None
-        nbytes = freed = 0
-        for value in values.values():
-            nbytes += value_nbytes(value)
+        nbytes, freed = row_nbytes(values), 0
         old = rows.get(idx)
         if held != gen or old is None:
             if old:
-                freed = _row_nbytes(old)
+                freed = row_nbytes(old)
             rows[idx] = values
             gens[idx] = gen
         else:
@@ -178,8 +186,8 @@ class StorageUnit(UnitAttach):
             else:
                 nbytes += n
                 written.append(idx)
-        if self.write_watch:  # a registration is in flight: these rows must survive its reply
-            self._note_writes(written)
+        if self.attach.write_watch:  # a registration in flight: these rows survive its reply
+            self.attach.note_writes(written)
         reply = {"rows": len(written), "bytes": nbytes}
         if stale:
             reply["stale"] = stale
@@ -234,7 +242,7 @@ class StorageUnit(UnitAttach):
         for idx, gen in zip(indexes, want):
             if gens.get(idx) == gen:
                 del gens[idx]
-                freed += _row_nbytes(rows.pop(idx))
+                freed += row_nbytes(rows.pop(idx))
                 n += 1
         self.bytes_held -= freed
         if n and not self.rows:
@@ -356,10 +364,5 @@ class StorageUnit(UnitAttach):
         try:
             self.server.serve_forever()
         finally:
-            self.attach_stop.set()
+            self.attach.stopped.set()
             self.pool.shutdown(wait=True)
-
-
-
-def _row_nbytes(row: dict) -> int:
-    return sum(value_nbytes(v) for v in row.values())

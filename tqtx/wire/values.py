@@ -102,3 +102,8 @@ def value_nbytes(value) -> int:
     if isinstance(value, dict):
         return sum(value_nbytes(v) for v in value.values())
     return 8
+
+
+def row_nbytes(row: dict) -> int:
+    """Payload bytes of a stored row (its values' :func:`value_nbytes`)."""
+    return sum(value_nbytes(v) for v in row.values())
