@@ -11,6 +11,7 @@ import torch
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
 from tqtx import RestorePendingError
+from tqtx.errors import PeerDiedError
 from tqtx import format as fmt
 
 # These tests compare dense columns and expect KeysNotFoundError for missing keys:
@@ -187,15 +188,20 @@ def test_incompatible_schema_is_refused_before_anything(tq_shared, pid, tmp_path
     assert not [r for r in ctl["restores"] if r["partition_id"] in (pid + "-2", pid + "-3")]
 
 
-@pytest.mark.parametrize("fault", ["unit.load.after_stage:raise", "unit.load.after_claim:kill"])
-def test_unit_failing_mid_load_leaves_no_visible_change(tq_start, tmp_path, fault):
+@pytest.mark.parametrize("fault,error,message", [
+    pytest.param("unit.load.after_stage:raise", RuntimeError,
+                 "fault injected at unit.load.after_stage", id="unit.load.after_stage:raise"),
+    pytest.param("unit.load.after_claim:kill", PeerDiedError,
+                 r"unit 1 at \S+ is gone .* while waiting for the reply to LOAD_ROWS",
+                 id="unit.load.after_claim:kill"),
+])
+def test_unit_failing_mid_load_leaves_no_visible_change(tq_start, tmp_path, fault, error, message):
     sel, ref, reftags, dump = make_dump(tq_start, tmp_path, units=2)
     cfg = tq_start(2, unit_env={1: {"TQTX_FAULTS": fault}})
     # s1 exists with another value; the failed restore must leave it
     tq.kv_put("s1", "p", {"obs": torch.full((4,), 3.0)}, tag={"status": "mine"})
-    with pytest.raises(Exception) as ei:
+    with pytest.raises(error, match=message):
         tq.load_data_by_key(dump)
-    assert "fault injected" in str(ei.value) or "unit 1" in str(ei.value)
     assert set(tq.kv_list("p")["p"]) == {"s1"}
     assert torch.equal(tq.kv_batch_get(["s1"], "p")["obs"][0], torch.full((4,), 3.0))
     assert tq.kv_list("p")["p"]["s1"] == {"status": "mine"}
