@@ -239,6 +239,14 @@ def _slow_unit_restore(tq_start, tmp_path, delay=6.0):
     return sel, ref, dump, cfg, t0 + delay
 
 
+def _wait_load_replied(unit: int, deadline: float) -> None:
+    """Until ``unit`` has answered a LOAD_ROWS (its STATS count requests once replied)."""
+    peer = tq.get_client().unit(unit)
+    while not peer.call("STATS")["ops"].get("LOAD_ROWS", {}).get("count"):
+        assert time.monotonic() < deadline, f"unit {unit} never answered its LOAD_ROWS"
+        time.sleep(0.1)
+
+
 def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path)
     # blocked while unresolved: new keys, clears, a second load, dump over it, checkpoints
@@ -254,8 +262,16 @@ def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
     # other partitions keep working
     tq.kv_put("free", "other", {"a": torch.ones(1)})
     tq.kv_clear(["free"], "other")
-    time.sleep(max(0.0, ready_at - time.monotonic()) + 1.0)
-    assert tq.recover_data_load(dump) is True
+    # recover_data_load refuses while the slow unit still loads, then settles the restore
+    deadline = ready_at + 30
+    while True:
+        try:
+            settled = tq.recover_data_load(dump)
+            break
+        except RestorePendingError as exc:
+            assert time.monotonic() < deadline, exc
+            time.sleep(0.2)
+    assert settled is True
     assert_same_rows(ref, tq.kv_batch_get(sel, "p"), sel)
     ctl = assert_journal_final(cfg["state_dir"], dump)
     assert [r["state"] for r in ctl["restores"]] == ["committed"]
@@ -265,7 +281,7 @@ def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
 def test_cancelled_restore_late_unit_cannot_write(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path, delay=4.0)
     assert tq.recover_data_load(dump, cancel=True) is False
-    time.sleep(max(0.0, ready_at - time.monotonic()) + 1.5)
+    _wait_load_replied(1, ready_at + 30)  # the late unit went through with its load
     assert "p" not in tq.kv_list() or set(tq.kv_list("p").get("p", {})) == set()
     for u in range(2):
         assert tq.get_client().unit(u).call("STATS")["staged_restores"] == []
