@@ -294,6 +294,6 @@ def test_unit_failing_mid_load_leaves_state_alone(tq_start, tmp_path):
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(ckpt)
     tq.kv_batch_put(keys, "p", TensorDict({"x": torch.arange(8) + 100}, batch_size=[8]))
-    with pytest.raises(Exception, match="fault injected"):
+    with pytest.raises(RuntimeError, match="fault injected at unit.request.LOAD_CHECKPOINT"):
         tq.load_checkpoint(ckpt)
     assert tq.kv_batch_get(keys, "p")["x"].tolist() == list(range(100, 108))

@@ -322,7 +322,7 @@ def test_clear_most_of_a_batch_frees_unit_bytes(pid):
     Note: unit STATS "bytes" counts each stored value's logical size, so this observes that
     cleared rows are dropped, not whether a kept row pins its batch's buffer; that is checked
     at the codec level (each row travels as a frame of exactly its own bytes) in
-    tests/test_tensors.py::test_row_views_cover_only_their_rows.
+    tests/client/test_tensors.py::test_row_views_cover_only_their_rows.
     """
     before = sum(u["bytes"] for u in unit_stats())
     n, width = 64, 4096

@@ -11,6 +11,7 @@ import torch
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
 from tqtx import RestorePendingError
+from tqtx.errors import PeerDiedError
 from tqtx import format as fmt
 
 # These tests compare dense columns and expect KeysNotFoundError for missing keys:
@@ -187,15 +188,20 @@ def test_incompatible_schema_is_refused_before_anything(tq_shared, pid, tmp_path
     assert not [r for r in ctl["restores"] if r["partition_id"] in (pid + "-2", pid + "-3")]
 
 
-@pytest.mark.parametrize("fault", ["unit.load.after_stage:raise", "unit.load.after_claim:kill"])
-def test_unit_failing_mid_load_leaves_no_visible_change(tq_start, tmp_path, fault):
+@pytest.mark.parametrize("fault,error,message", [
+    pytest.param("unit.load.after_stage:raise", RuntimeError,
+                 "fault injected at unit.load.after_stage", id="unit.load.after_stage:raise"),
+    pytest.param("unit.load.after_claim:kill", PeerDiedError,
+                 r"unit 1 at \S+ is gone .* while waiting for the reply to LOAD_ROWS",
+                 id="unit.load.after_claim:kill"),
+])
+def test_unit_failing_mid_load_leaves_no_visible_change(tq_start, tmp_path, fault, error, message):
     sel, ref, reftags, dump = make_dump(tq_start, tmp_path, units=2)
     cfg = tq_start(2, unit_env={1: {"TQTX_FAULTS": fault}})
     # s1 exists with another value; the failed restore must leave it
     tq.kv_put("s1", "p", {"obs": torch.full((4,), 3.0)}, tag={"status": "mine"})
-    with pytest.raises(Exception) as ei:
+    with pytest.raises(error, match=message):
         tq.load_data_by_key(dump)
-    assert "fault injected" in str(ei.value) or "unit 1" in str(ei.value)
     assert set(tq.kv_list("p")["p"]) == {"s1"}
     assert torch.equal(tq.kv_batch_get(["s1"], "p")["obs"][0], torch.full((4,), 3.0))
     assert tq.kv_list("p")["p"]["s1"] == {"status": "mine"}
@@ -233,6 +239,14 @@ def _slow_unit_restore(tq_start, tmp_path, delay=6.0):
     return sel, ref, dump, cfg, t0 + delay
 
 
+def _wait_load_replied(unit: int, deadline: float) -> None:
+    """Until ``unit`` has answered a LOAD_ROWS (its STATS count requests once replied)."""
+    peer = tq.get_client().unit(unit)
+    while not peer.call("STATS")["ops"].get("LOAD_ROWS", {}).get("count"):
+        assert time.monotonic() < deadline, f"unit {unit} never answered its LOAD_ROWS"
+        time.sleep(0.1)
+
+
 def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path)
     # blocked while unresolved: new keys, clears, a second load, dump over it, checkpoints
@@ -248,8 +262,16 @@ def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
     # other partitions keep working
     tq.kv_put("free", "other", {"a": torch.ones(1)})
     tq.kv_clear(["free"], "other")
-    time.sleep(max(0.0, ready_at - time.monotonic()) + 1.0)
-    assert tq.recover_data_load(dump) is True
+    # recover_data_load refuses while the slow unit still loads, then settles the restore
+    deadline = ready_at + 30
+    while True:
+        try:
+            settled = tq.recover_data_load(dump)
+            break
+        except RestorePendingError as exc:
+            assert time.monotonic() < deadline, exc
+            time.sleep(0.2)
+    assert settled is True
     assert_same_rows(ref, tq.kv_batch_get(sel, "p"), sel)
     ctl = assert_journal_final(cfg["state_dir"], dump)
     assert [r["state"] for r in ctl["restores"]] == ["committed"]
@@ -259,7 +281,7 @@ def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
 def test_cancelled_restore_late_unit_cannot_write(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path, delay=4.0)
     assert tq.recover_data_load(dump, cancel=True) is False
-    time.sleep(max(0.0, ready_at - time.monotonic()) + 1.5)
+    _wait_load_replied(1, ready_at + 30)  # the late unit went through with its load
     assert "p" not in tq.kv_list() or set(tq.kv_list("p").get("p", {})) == set()
     for u in range(2):
         assert tq.get_client().unit(u).call("STATS")["staged_restores"] == []

@@ -77,7 +77,7 @@ def test_restored_rows_give_their_memory_back_when_cleared(tq_start, pid, tmp_pa
     """Restored rows are read by a unit's I/O threads, not the thread that put them.
     (Freed, they could become the top of that thread's malloc arena, which malloc_trim does
     not hand back: 13-31 MiB stayed in one unit of two at 128 MiB each, in most runs;
-    units allocate from the main arena only. tests/test_memory_trim.py shows that
+    units allocate from the main arena only. tests/storage/test_memory_trim.py shows that
     mechanism deterministically; this checks the whole path in a real unit.)"""
     tq_start(num_units=1)
     client = tq.get_client()

@@ -142,13 +142,17 @@ class Run:
     FAULTY_UNIT = 1
     ROLE_DELAY = 0.5   # how long the other unit (or the faulty one) is held at the point
 
-    def __init__(self, tmp_path, point: str, action: str, nth: int, role: str | None = None):
+    def __init__(self, tmp_path, point: str, action: str, nth: int, role: str | None = None,
+                 trigger: str | None = None):
         """``role`` of the faulty unit: "first" (reaches the point while the other unit is
         held there), "last" (held at the point while the other unit goes on), "alone"
-        (a 1-unit deployment); None: unit 1 of 2, no ordering."""
+        (a 1-unit deployment); None: unit 1 of 2, no ordering. ``trigger``: a fault spec
+        armed in unit 1 that leads the operation onto the path of a controller or client
+        side ``point`` (a failing load for the abort path of a restore)."""
         self.tmp = tmp_path
         self.point, self.action, self.nth, self.role = point, action, nth, role
         self.spec = f"{point}@{nth}:{action}"
+        self.trigger = trigger
         self.num_units = 1 if role == "alone" else 2
         self.FAULTY_UNIT = 0 if role == "alone" else 1
         self.side = where(point)
@@ -169,6 +173,9 @@ class Run:
                 f"{hold},{self.spec}" if self.role == "last" else self.spec)}}
             if self.role == "first":
                 unit_env[1 - self.FAULTY_UNIT] = {"TQTX_FAULTS": hold}
+        if faults and self.trigger:
+            assert self.side != "unit", "a trigger leads to a controller or client side point"
+            unit_env = {self.FAULTY_UNIT: {"TQTX_FAULTS": self.trigger}}
         tq.close()
         self.cfg = tq.init({"num_units": self.num_units, "state_dir": self.state_dir,
                             "timeout": T,
@@ -225,6 +232,12 @@ class Run:
 
     def check_fired(self) -> None:
         """The armed fault must really have happened (a case that never fires proves nothing)."""
+        if self.trigger and self.action != "kill":
+            # the operation fails by the trigger; a raise at the point shows in its error
+            assert self.outcome == "error", (self.spec, self.outcome, self.error)
+            point = self.point if self.action == "raise" else self.trigger.split("@")[0]
+            assert f"fault injected at {point}" in self.error, (self.spec, self.error)
+            return
         if self.action == "kill":
             if self.side == "client":
                 assert self.outcome == "died", (self.spec, self.outcome, self.error)
@@ -382,8 +395,9 @@ def _settle(run: Run, dump: str) -> bool:
 MINE = torch.full((4,), 3.0)
 
 
-def restore_case(tmp_path, ref: dict, point: str, action: str, role: str | None = None) -> dict:
-    run = Run(tmp_path, point, action, 1, role)
+def restore_case(tmp_path, ref: dict, point: str, action: str, role: str | None = None, *,
+                 trigger: str | None = None) -> dict:
+    run = Run(tmp_path, point, action, 1, role, trigger)
     dump = _copy_dump(ref["path"], tmp_path / "dump")
     sel = ref["sel"]
     restored = set(sel) | {"tag-only"}

@@ -90,10 +90,11 @@ def test_after_reply_runs_once_the_reply_is_sent_and_before_the_next_request():
 
 def test_after_reply_runs_before_a_request_already_queued_behind():
     server = Server("controller")
-    go = threading.Event()
+    go, blocking = threading.Event(), threading.Event()
     state = {"value": 0, "seen": []}
 
     def block(body, req):  # holds the loop while the next two requests queue up
+        blocking.set()
         go.wait(10)
         return {"ok": True}
 
@@ -110,7 +111,7 @@ def test_after_reply_runs_before_a_request_already_queued_behind():
     server.add("CHANGE", change, mutating=True)
     with _serving(server, 2) as (blocker, peer):
         pending_block = blocker.start("BLOCK", {})
-        time.sleep(0.2)
+        assert blocking.wait(10)  # the loop is inside BLOCK
         looked = peer.start("LOOK", {})  # one connection: read in this order, in one batch
         changed = peer.start("CHANGE", {})
         time.sleep(0.2)
@@ -124,14 +125,14 @@ def test_call_soon_runs_before_a_request_sent_after_it():
     # the loop is busy inside a turn (BLOCK) when the call is queued and the next request
     # sent, so that request is readable in the same turn, before the wake-up is polled
     server = Server("unit-0")
-    go = threading.Event()
+    go, blocking = threading.Event(), threading.Event()
     state = {"called": False}
 
-    server.add("BLOCK", lambda body, req: go.wait(10) and {"ok": True})
+    server.add("BLOCK", lambda body, req: (blocking.set(), go.wait(10))[1] and {"ok": True})
     server.add("CHECK", lambda body, req: {"called": state["called"]})
     with _serving(server, 2) as (blocker, peer):
         pending_block = blocker.start("BLOCK", {})
-        time.sleep(0.2)
+        assert blocking.wait(10)  # the loop is inside BLOCK, within a turn
         server.call_soon(lambda: state.update(called=True))
         checked = peer.start("CHECK", {})
         time.sleep(0.2)

@@ -13,7 +13,7 @@ from crc32c import crc32c
 
 from tqtx import format as fmt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 

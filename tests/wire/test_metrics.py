@@ -108,7 +108,7 @@ def test_server_counts_times_and_sizes_every_request(server):
     try:
         for _ in range(3):
             peer.call("ECHO", {"data": b"x" * 100})
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError, match="^no$"):  # the handler's error, re-raised
             peer.call("BOOM")
         with pytest.raises(ValueError):
             peer.call("NOPE")

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import zmq
 
 from tqtx.errors import PeerDiedError, PeerTimeoutError
 from tqtx.wire.peer import Peer, call_many
@@ -205,7 +206,8 @@ def test_receive_reads_a_reply_that_arrived_before_a_passed_deadline(units):
     peer = Peer(units[0].address, "unit 0")
     try:
         rid = peer.send("FAST", {"n": 5})
-        time.sleep(0.3)  # the reply is waiting in the socket
+        # the reply is waiting in the socket (poll reads nothing)
+        assert peer.socket.poll(10_000, zmq.POLLIN), "no reply within 10 s"
         assert peer.receive(rid, "FAST", time.monotonic() - 1)["n"] == 5
     finally:
         peer.close()
