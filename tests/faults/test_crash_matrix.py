@@ -40,12 +40,7 @@ FAST_META = {("controller.meta.commit_put.after_commit", UNITS_ALIVE),
 
 # (point, action) -> extra marks: the known gaps the matrix shows (each fails its invariants
 # today; strict, so a fix turns it into a failure that asks to remove the mark)
-KNOWN: dict = {
-    ("controller.restore.after_abort_decision", "raise"): [pytest.mark.xfail(
-        strict=True, reason="an error after the abort is journaled skips DROP_STAGED: the "
-        "units that staged keep the aborted restore's rows (STATS.staged_restores), and "
-        "recover_data_load does not drop them")],
-}
+KNOWN: dict = {}
 
 
 def _cases(table: dict, fast: set, roles: list | None = None):

@@ -281,14 +281,20 @@ class RestoreCoordinator:
     def _abort(self, rid: str, plan: RestorePlan | None, outcome: str, reason: str) -> None:
         rec = self.journal.get_restore(rid)
         self.journal.finish_restore(rid, outcome, reason)
-        faults.hit("controller.restore.after_abort_decision")
+        try:
+            faults.hit("controller.restore.after_abort_decision")
+        finally:  # decided: an error from here on must not keep the staged rows
+            self._drop_aborted(rid, rec, plan)
+        log.warning("restore %s: %s (%s)", rid, outcome, reason)
+
+    def _drop_aborted(self, rid: str, rec: dict, plan: RestorePlan | None) -> None:
+        """After an abort is journaled: the units drop the staged rows, the reservations go."""
         live = [u["unit_id"] for u in rec["units"] if u["unit_id"] in self.units]
         if live:
             self.units.call([(u, "DROP_STAGED", {"restore_id": rid}) for u in live], timeout=3)
         if plan is not None:
             self._release(plan)
             self.plans.pop(rid, None)
-        log.warning("restore %s: %s (%s)", rid, outcome, reason)
 
     def list_restores(self, body, req):
         pid = body.get("partition_id")
