@@ -115,6 +115,16 @@ def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str)
     except _CONTROLLER_LOST:
         topo = client.await_controller(what, outcome=outcome)
     if incarnation is None or topo.get("incarnation") != incarnation:
+        if op == "COMMIT_PUT":
+            # the last controller may have committed (and journaled the reply) before it
+            # died: if so the new one answers this copy with that reply; committing
+            # again, after what other clients did since, would undo it
+            try:
+                reply = client.controller.call(op, {**body, "answered_only": True}, rid=rid)
+            except _CONTROLLER_LOST:
+                raise _ControllerRestarted(op) from None
+            if not reply.get("unknown"):
+                return reply
         raise _ControllerRestarted(op)
     try:  # the same process: its reply cache answers if it acted on the first copy
         return client.controller.call(op, body, rid=rid)

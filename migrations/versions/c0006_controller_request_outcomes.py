@@ -2,7 +2,8 @@
 
 A request whose reply was lost with its controller is sent again, with the same request ID,
 to the controller that replaced it; this table lets that one answer the recorded outcome
-instead of applying the request a second time (a second CLEAR would remove a later put).
+instead of applying the request a second time (a second CLEAR would remove a later put, a
+second COMMIT_PUT undo a later put's tags).
 
 Revision ID: c0006
 Revises: c0005

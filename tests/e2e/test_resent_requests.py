@@ -56,3 +56,25 @@ def test_a_clear_resent_after_a_restart_gets_its_reply_and_spares_a_later_put(tq
     # a new clear (another request ID) still clears
     tq.kv_clear(["a"], P)
     assert list(tq.kv_list(P)[P]) == ["b"]
+
+
+def test_a_commit_resent_after_a_restart_gets_its_reply_and_is_not_applied_again(tq_start):
+    """The put path sends COMMIT_PUT once more to a new controller, marked ``answered_only``:
+    one the last controller committed is answered from the journal; one it never committed
+    is ``unknown`` (the put is then done again from ALLOC) and changes nothing."""
+    tq_start(num_units=2)
+    client = tq.get_client()
+    alloc = client.controller.call("ALLOC", {"partition_id": P, "keys": ["a"], "schemas": {}})
+    body = {"partition_id": P, "keys": ["a"], "fields": [], "tags": [{"v": 1}],
+            "gens": alloc["gens"]}
+    first = client.controller.call("COMMIT_PUT", body, rid="commit-1")
+    tq.kv_batch_put(["a"], P, tags=[{"v": 2}])  # a later put of the key
+    _restart_controller()
+    again = client.controller.call("COMMIT_PUT", {**body, "answered_only": True},
+                                   rid="commit-1")
+    assert again == first and "unknown" not in again
+    assert tq.kv_list(P)[P] == {"a": {"v": 2}}
+    never = client.controller.call("COMMIT_PUT", {**body, "tags": [{"v": 3}],
+                                                  "answered_only": True}, rid="commit-2")
+    assert never == {"unknown": True}
+    assert tq.kv_list(P)[P] == {"a": {"v": 2}}

@@ -5,7 +5,7 @@ site would leave a matrix case that never fires), and every site is in the matri
 :data:`NOT_IN_MATRIX` with the reason it is left out. Sites built from f-strings expand from
 what the code registers: ``{role}.request.{op}`` / ``{role}.reply.{op}`` (tqtx/wire/rpc.py)
 over the ops each server adds, ``controller.meta.{op}.<stage>`` over the ops passed to
-``_journal_meta``. No process is started: the source is read with :mod:`ast`.
+``journal_meta``. No process is started: the source is read with :mod:`ast`.
 """
 from __future__ import annotations
 
@@ -123,12 +123,12 @@ def _registered_ops(package: str) -> set[str]:
 
 
 def _journal_meta_ops() -> set[str]:
-    """The ``op`` of every ``_journal_meta("op", change)`` call."""
+    """The ``op`` of every ``journal_meta("op", change)`` call."""
     ops = set()
     for _, tree in _trees():
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "_journal_meta"):
+                    and node.func.attr == "journal_meta"):
                 assert isinstance(node.args[0], ast.Constant), ast.dump(node)
                 ops.add(node.args[0].value)
     return ops

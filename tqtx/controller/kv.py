@@ -136,6 +136,10 @@ class KVRequests:
         A pending key that a concurrent put of it committed was visible, rows of this put
         included, so its clear came after this put.
         """
+        if body.get("answered_only"):
+            # a copy sent to a new controller: the reply cache (seeded from the journal)
+            # answers one the last controller committed; anything else it never committed
+            return {"unknown": True}
         pid, keys, tags = body["partition_id"], body["keys"], body.get("tags")
         gens, stale, redo = body.get("gens"), [], []
         if gens is not None:
@@ -152,15 +156,25 @@ class KVRequests:
                     return {"fields": [], "stale": stale, "redo": redo}
         change, updates, common = self.meta.plan_commit(
             pid, keys, body.get("fields") or [], tags)
-        self.journal_meta("commit_put", change)
-        self.meta.apply_commit(pid, updates)
-        faults.hit("controller.meta.commit_put.before_reply")
         out = {"fields": common}
         if stale:
             out["stale"], out["redo"] = stale, redo
+        self._record_reply(change, req, out)  # without the tags: they may be large
+        self.journal_meta("commit_put", change)
+        self.meta.apply_commit(pid, updates)
+        faults.hit("controller.meta.commit_put.before_reply")
         if body.get("want_tags"):  # the stored (merged) tags of the keys committed
             out["tags"] = {k: updates[k][2] or {} for k in keys}
         return out
+
+    @staticmethod
+    def _record_reply(change: MetaChange, req, reply: dict) -> None:
+        """Journal ``reply`` with ``change``: a copy of this request resent to the
+        controller that replaces this one (its reply lost with this process) is answered
+        with it, not applied again after what came since (tqtx.journal.meta)."""
+        rid = req.get("rid") if isinstance(req, dict) else None
+        if rid:
+            change.answered = (rid, codec.packb(reply))
 
     def abort_put(self, body, req):
         """A put that failed after ALLOC: forget the pending keys it created (those still
@@ -236,12 +250,7 @@ class KVRequests:
         freed = [part.keys[k] for k in gone]
         reply = {"freed": freed, "gens": part.gens_of(freed)}
         if gone:
-            # The reply goes into the change's transaction: a copy of this request resent
-            # to the controller that replaces this one (its reply lost with this one) is
-            # answered with it, not applied again after puts that came since.
-            rid = req.get("rid") if isinstance(req, dict) else None
-            if rid:
-                change.answered = (rid, codec.packb(reply))
+            self._record_reply(change, req, reply)
             self.journal_meta("clear", change)
         self.meta.apply_clear(part, gone)
         faults.hit("controller.meta.clear.before_reply")

@@ -388,8 +388,8 @@ class RestoreCoordinator:
                     faults.hit("controller.restore.after_apply")
                     move(uid, st.APPLIED)
         plan.roll = roll
-        return [u for u, state in roll.items() if state in (st.APPLYING, st.REDOING,
-                                                             st.UNREACHABLE)]
+        unfinished = (st.APPLYING, st.REDOING, st.UNREACHABLE)
+        return [u for u, state in roll.items() if state in unfinished]
 
     def _note_recovery(self, rid: str, action: str, detail: str) -> None:
         log.info("restore %s: %s: %s", rid, action, detail)

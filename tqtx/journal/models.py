@@ -209,7 +209,7 @@ class MetaMarker(ControllerBase):
 
 
 class MetaRequest(ControllerBase):
-    """The reply to a recent mutating metadata request (CLEAR), written in the transaction
+    """The reply to a recent mutating metadata request (CLEAR, COMMIT_PUT), written in the transaction
     of its change, so a controller that replaced the one that acted answers a resent copy
     with it instead of acting twice. The newest ``tqtx.journal.meta.REQUESTS_KEPT`` stay."""
     __tablename__ = "meta_requests"

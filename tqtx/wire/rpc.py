@@ -377,4 +377,3 @@ class Server:
                         self._run_after_reply()
         self.socket.close(linger=1000)
         self._wake.close(linger=0)
-
