@@ -26,7 +26,7 @@ from ..journal.store import ControllerJournal
 from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
-from .metadata import EMPTY, Metadata
+from .metadata import EMPTY, GEN_SHIFT, Metadata
 from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")
@@ -132,7 +132,8 @@ class KVRequests:
         ``gens`` (the generations ALLOC gave), keys that no longer hold their generation
         (cleared, or cleared and created again, since ALLOC) are not committed and come back
         as ``stale`` (see :func:`tqtx.put_path.put_columns`); those among them that were
-        pending and abandoned (never visible) also as ``redo``: only those may be put again.
+        pending and never visible (abandoned, or pending under an earlier controller) also as
+        ``redo``: only those may be put again.
         A pending key that a concurrent put of it committed was visible, rows of this put
         included, so its clear came after this put.
         """
@@ -146,9 +147,11 @@ class KVRequests:
             stale = self.meta.stale_keys(self.meta.partition(pid), keys, gens)
             if stale:
                 moved = set(stale)
-                abandoned = self.meta.abandoned
-                redo = list(dict.fromkeys(k for k, g in zip(keys, gens)
-                                          if k in moved and g in abandoned))
+                abandoned, mine = self.meta.abandoned, self.incarnation
+                # never visible: abandoned here, or pending under a controller that died
+                # (pending keys are not journaled, so this one never knew them)
+                redo = list(dict.fromkeys(k for k, g in zip(keys, gens) if k in moved and (
+                    g in abandoned or g >> GEN_SHIFT != mine)))
                 keep = [i for i, k in enumerate(keys) if k not in moved]
                 keys = [keys[i] for i in keep]
                 tags = None if tags is None else [tags[i] for i in keep]
