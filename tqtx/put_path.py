@@ -49,10 +49,12 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
       redone from ALLOC (at most FENCE_ATTEMPTS times). A new key that a concurrent put of
       it committed, and a clear then removed, was visible: that clear came after this put,
       as for a key that existed.
-    * The controller went away: it is waited for (:meth:`Client.await_controller`); the
-      same process is asked again by request ID; a new one (which forgot the uncommitted
-      ALLOC) gets the put once more from ALLOC, rows written again only for the keys that
-      were new (the others' values are on the units already).
+    * The controller went away: it is waited for (:meth:`Client.await_controller`) and
+      asked again by request ID. A new process that replaced it gets an ALLOC once more
+      from the start; it answers a COMMIT_PUT the last one journaled with its recorded
+      reply, and otherwise commits the keys that still hold their generations (their
+      rows are on the units) and names the keys that were new for the put to do again
+      (it never knew them: pending keys are not journaled).
 
     Unit and validation errors are never retried; a put that fails leaves no row of a new
     key on any unit. A put that committed some keys and then failed raises
@@ -86,9 +88,10 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
         except BaseException as exc:
             raise _failed(exc, done, sub_keys) from None
         client.count("puts", len(sub_keys) - len(redo), nbytes)
-        common = set(fields) if common is None else common & set(fields)
+        if fields is not None:  # the fields common to the keys this attempt committed
+            common = set(fields) if common is None else common & set(fields)
         if not redo:
-            return sorted(common), stored
+            return sorted(common or ()), stored
         done += [k for j, k in enumerate(sub_keys) if j not in set(redo)]
         todo, write = [todo[j] for j in redo], None
         if attempt + 1 < FENCE_ATTEMPTS:
@@ -108,25 +111,20 @@ def _failed(exc: BaseException, done: list[str], failed: list[str]) -> BaseExcep
 
 def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str):
     """One controller request of a put, sent to controller ``incarnation``; raises
-    _ControllerRestarted if the controller came back as another incarnation."""
+    _ControllerRestarted if an ALLOC's controller came back as another incarnation (or
+    the controller went away twice)."""
     rid = new_id()
     try:
         return client.controller.call(op, body, rid=rid)
     except _CONTROLLER_LOST:
         topo = client.await_controller(what, outcome=outcome)
-    if incarnation is None or topo.get("incarnation") != incarnation:
-        if op == "COMMIT_PUT":
-            # the last controller may have committed (and journaled the reply) before it
-            # died: if so the new one answers this copy with that reply; committing
-            # again, after what other clients did since, would undo it
-            try:
-                reply = client.controller.call(op, {**body, "answered_only": True}, rid=rid)
-            except _CONTROLLER_LOST:
-                raise _ControllerRestarted(op) from None
-            if not reply.get("unknown"):
-                return reply
+    if (incarnation is None or topo.get("incarnation") != incarnation) and op != "COMMIT_PUT":
         raise _ControllerRestarted(op)
-    try:  # the same process: its reply cache answers if it acted on the first copy
+    # The same process: its reply cache answers if it acted on the first copy. A new one
+    # answers a COMMIT_PUT the last one journaled with that reply (tqtx.journal.meta);
+    # else it commits the keys still at their generations, and names the keys that were
+    # new (pending keys are not journaled) for the put to do again (COMMIT_PUT's redo).
+    try:
         return client.controller.call(op, body, rid=rid)
     except _CONTROLLER_LOST:
         raise _ControllerRestarted(op) from None
@@ -191,7 +189,9 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     # visible with this put's rows, so a clear since came after this put: not put again.
     client.drop_rows([(i, g) for k, i, g in zip(keys, indexes, gens) if k in stale])
     redo = set(res.get("redo") or ())
-    return res["fields"], [j for j, k in enumerate(keys) if k in redo and pending[j]], nbytes
+    committed = len(set(keys) - stale) > 0
+    return (res["fields"] if committed else None,
+            [j for j, k in enumerate(keys) if k in redo and pending[j]], nbytes)
 
 
 def _abandon_put(client, pid: str, keys: list[str], gens: list[int]) -> None:

@@ -59,22 +59,28 @@ def test_a_clear_resent_after_a_restart_gets_its_reply_and_spares_a_later_put(tq
 
 
 def test_a_commit_resent_after_a_restart_gets_its_reply_and_is_not_applied_again(tq_start):
-    """The put path sends COMMIT_PUT once more to a new controller, marked ``answered_only``:
-    one the last controller committed is answered from the journal; one it never committed
-    is ``unknown`` (the put is then done again from ALLOC) and changes nothing."""
+    """A put whose controller was replaced sends its COMMIT_PUT to the new one with the same
+    request ID: one the last controller committed is answered from the journal; one it
+    never saw commits the keys still at their generations and names the keys that were
+    new (pending under the last controller, which never journaled them) for a redo."""
     tq_start(num_units=2)
     client = tq.get_client()
+    tq.kv_batch_put(["old"], P, tags=[{"v": 0}])
     alloc = client.controller.call("ALLOC", {"partition_id": P, "keys": ["a"], "schemas": {}})
     body = {"partition_id": P, "keys": ["a"], "fields": [], "tags": [{"v": 1}],
             "gens": alloc["gens"]}
     first = client.controller.call("COMMIT_PUT", body, rid="commit-1")
     tq.kv_batch_put(["a"], P, tags=[{"v": 2}])  # a later put of the key
+    late = client.controller.call("ALLOC", {"partition_id": P, "keys": ["old", "new"],
+                                            "schemas": {}})
     _restart_controller()
-    again = client.controller.call("COMMIT_PUT", {**body, "answered_only": True},
-                                   rid="commit-1")
-    assert again == first and "unknown" not in again
-    assert tq.kv_list(P)[P] == {"a": {"v": 2}}
-    never = client.controller.call("COMMIT_PUT", {**body, "tags": [{"v": 3}],
-                                                  "answered_only": True}, rid="commit-2")
-    assert never == {"unknown": True}
-    assert tq.kv_list(P)[P] == {"a": {"v": 2}}
+    again = client.controller.call("COMMIT_PUT", body, rid="commit-1")
+    assert again == first
+    assert tq.kv_list(P)[P] == {"old": {"v": 0}, "a": {"v": 2}}
+    # ALLOCed under the last controller, committed to this one: "old" still holds its
+    # generation and is committed; "new" was pending there, so it is named for a redo
+    out = client.controller.call("COMMIT_PUT", {
+        "partition_id": P, "keys": ["old", "new"], "fields": [], "tags": [{"v": 3}, {"v": 3}],
+        "gens": late["gens"]}, rid="commit-2")
+    assert out["stale"] == ["new"] and out["redo"] == ["new"]
+    assert tq.kv_list(P)[P] == {"old": {"v": 3}, "a": {"v": 2}}

@@ -137,10 +137,6 @@ class KVRequests:
         A pending key that a concurrent put of it committed was visible, rows of this put
         included, so its clear came after this put.
         """
-        if body.get("answered_only"):
-            # a copy sent to a new controller: the reply cache (seeded from the journal)
-            # answers one the last controller committed; anything else it never committed
-            return {"unknown": True}
         pid, keys, tags = body["partition_id"], body["keys"], body.get("tags")
         gens, stale, redo = body.get("gens"), [], []
         if gens is not None:
