@@ -22,6 +22,8 @@ abandoned or pushed out by newer staged loads):
 """
 from __future__ import annotations
 
+import threading
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -32,9 +34,14 @@ from ..wire.columns import unpack_int64
 from ..wire.values import row_nbytes
 
 # Staged loads kept at once: concurrent load_checkpoint calls each stage their own (the
-# controller then switches the units to one after the other); a client that died between
-# staging and switching leaves one behind, dropped once newer ones are staged.
+# controller then switches the units to one after the other). Each holds a copy of the
+# rows, so the count is bounded: a further load is refused (it changed nothing; the caller
+# tries again) while the staged ones are younger than STALE_AFTER, because dropping one
+# its caller is about to switch to would leave the controller's decision without rows. A
+# load staged longer ago was left by a client that died between staging and switching,
+# and makes room.
 STAGED_LOADS = 2
+STALE_AFTER = 60.0
 
 BATCH = 128  # records per read batch
 
@@ -98,6 +105,7 @@ class StagedLoad:
     rows: dict[int, dict] = field(default_factory=dict)
     nbytes: int = 0
     state: str = st.READING
+    staged_at: float = 0.0  # time.monotonic() when staged
 
     def move(self, to: str) -> None:
         st.check(st.UNIT_CHECKPOINT, self.state, to, subject=f"checkpoint load {self.load_id}")
@@ -113,6 +121,7 @@ class UnitCheckpoints:
         self.unit = unit
         self.staged: OrderedDict[str, StagedLoad] = OrderedDict()
         self.applied: str | None = None
+        self._lock = threading.Lock()  # staging runs in I/O threads, switching in the loop
 
     # ---------------------------------------------------------------- save
     def save(self, body, req):
@@ -167,14 +176,24 @@ class UnitCheckpoints:
         return deferred
 
     def _stage(self, load: StagedLoad) -> None:
-        """Keep ``load`` (replacing an earlier one of its ID); the oldest beyond
-        :data:`STAGED_LOADS` are dropped."""
-        load.move(st.STAGED)
-        staged = self.staged
-        staged.pop(load.load_id, None)
-        staged[load.load_id] = load
-        while len(staged) > STAGED_LOADS:
-            staged.popitem(last=False)[1].move(st.DROPPED)
+        """Keep ``load`` (replacing an earlier one of its ID) within :data:`STAGED_LOADS`:
+        the oldest makes room if it is stale, else ``load`` is refused (see STALE_AFTER)."""
+        now = time.monotonic()
+        with self._lock:
+            staged = self.staged
+            if staged.pop(load.load_id, None) is None:
+                while len(staged) >= STAGED_LOADS:
+                    oldest = next(iter(staged.values()))
+                    if now - oldest.staged_at < STALE_AFTER:
+                        load.move(st.FAILED)
+                        raise RuntimeError(
+                            f"unit {self.unit.unit_id} holds {len(staged)} checkpoint loads "
+                            f"staged by load_checkpoint calls still in progress; nothing was "
+                            f"loaded: try again once they finish")
+                    staged.popitem(last=False)[1].move(st.DROPPED)
+            load.move(st.STAGED)
+            load.staged_at = now
+            staged[load.load_id] = load
 
     # ---------------------------------------------------------------- 2. switch
     def apply(self, body, req):
@@ -185,7 +204,8 @@ class UnitCheckpoints:
         applied); every staged restore is dropped, as its rows' indexes no longer hold
         what it planned against."""
         unit = self.unit
-        load = self.staged.pop(switch.load_id, None)
+        with self._lock:
+            load = self.staged.pop(switch.load_id, None)
         if load is None:
             if self.applied == switch.load_id:
                 return {"rows": len(unit.rows)}
@@ -200,7 +220,8 @@ class UnitCheckpoints:
 
     # ---------------------------------------------------------------- 3. drop
     def drop(self, body, req):
-        load = self.staged.pop(body["load_id"], None)
+        with self._lock:
+            load = self.staged.pop(body["load_id"], None)
         if load is not None:
             load.move(st.DROPPED)
         return {"ok": True}
