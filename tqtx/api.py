@@ -12,8 +12,10 @@ import functools
 import os
 import threading
 
-from . import public, semantics
-from .client import Client, KVBatchMeta
+from . import public
+from .client import semantics
+from .client.client import Client
+from .client.kvmeta import KVBatchMeta
 from .dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
 from .errors import NotInitializedError
 from .gcpause import gc_paused
@@ -303,7 +305,7 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
     """Put one sample: ``fields`` is a dict (tensors get a batch dim) or a TensorDict row.
     ``data_parser`` is refused (NotImplementedError): it would ship code."""
     check_call("kv_put", locals())
-    from . import tensors
+    from .client import tensors
     _refuse_data_parser(data_parser)
     if fields is None and tag is None:  # TransferQueue's check
         raise ValueError("Please provide at least one parameter of fields or tag.")
@@ -324,7 +326,7 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
     """Put a batch: ``fields`` is a TensorDict (or dict) with batch_size == len(keys); one
     str is one key. ``data_parser`` is refused (NotImplementedError): it would ship code."""
     check_call("kv_batch_put", locals())
-    from . import tensors
+    from .client import tensors
     _refuse_data_parser(data_parser)
     keys = as_key_list(keys)
     if fields is None and tags is None:  # TransferQueue's check
@@ -342,7 +344,7 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
 
 
 def _put(keys, pid, columns, tags) -> KVBatchMeta:
-    from . import tensors
+    from .client import tensors
     from .schema import column_schema
     schemas = {}
     for field, values in columns.items():
@@ -375,7 +377,7 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
 
     ``keys`` and ``select_fields``: a str or a list. As TransferQueue by default: unknown
     keys and fields not produced for every key are left out, tensor fields come back
-    jagged (see :mod:`tqtx.semantics`). Strict mode: an unknown key raises
+    jagged (see :mod:`tqtx.client.semantics`). Strict mode: an unknown key raises
     KeysNotFoundError, a field not produced for every key FieldsNotFoundError (both
     ValueErrors), uniform tensor fields come back dense. A key whose row was lost raises
     RowsLostError (a KeyError) in both modes, never left out."""
@@ -406,7 +408,7 @@ def kv_list(partition_id: str | None = None) -> dict:
     """``{partition_id: {key: tag}}`` for one partition or all. Keys whose rows were lost
     are left out (:func:`list_lost_keys` names them)."""
     check_call("kv_list", locals())
-    from . import tensors
+    from .client import tensors
     raw = _client_of().list_keys(partition_id)
     return {pid: {k: tensors.decode_object(t) for k, t in keys.items()}
             for pid, keys in raw.items()}
@@ -481,7 +483,7 @@ def list_restores(partition_id: str | None = None) -> list[dict]:
 def read_row_index(dump_dir) -> dict:
     """A dump's keys, source indexes, fields, tags and schemas, without reading any payload."""
     check_call("read_row_index", locals())
-    from . import tensors
+    from .client import tensors
     from . import format as fmt
     from .publish import dump_lock, recover_publications
     from .paths import check_path_arg, lock_path, old_path, siblings_writable
@@ -501,7 +503,7 @@ def __getattr__(name):
         from .dump.save import DumpHandle
         return DumpHandle
     if name == "BatchMeta":
-        from .batchmeta import BatchMeta
+        from .client.batchmeta import BatchMeta
         return BatchMeta
     raise AttributeError(name)
 

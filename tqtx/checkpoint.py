@@ -16,7 +16,7 @@ from . import faults, fsutil, paths, routing
 from . import format as fmt
 from .publish import Publication, dump_lock, recover_publications
 from .errors import DumpFormatError, DumpNotFoundError, TqtxError
-from .fence import FENCE_ATTEMPTS, fence_pause
+from .client.fence import FENCE_ATTEMPTS, fence_pause
 from .journal.store import DumpJournal
 from .validate import check_snapshot_names
 from .version import __version__

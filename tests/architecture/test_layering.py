@@ -17,8 +17,9 @@ MAX_LINES = 550
 
 # What a server (controller, storage unit) must never import: the user-facing layer, the
 # client side of dump/restore, the tools, and the package face (``tqtx/__init__.py``).
-USER_FACING = ("tqtx.api", "tqtx.client", "tqtx.get_path", "tqtx.put_path", "tqtx.fence",
-               "tqtx.checkpoint", "tqtx.dump", "tqtx.cli", "tqtx.demo")
+# (tqtx.client is the package: the client, its put/get paths and fence, the conversions.)
+USER_FACING = ("tqtx.api", "tqtx.dataplane", "tqtx.client", "tqtx.checkpoint", "tqtx.dump",
+               "tqtx.cli", "tqtx.demo")
 FACE = "tqtx"
 SERVERS = ("tqtx.controller", "tqtx.storage")
 # What journal/ and format/ may import from tqtx, besides their own package.
