@@ -42,11 +42,11 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     Without ``address`` / ``$TQTX_ADDRESS``, the first process of a job to call init
     starts an embedded deployment (``mode: "embedded"``) and the others, calling the same
     bare ``init()`` with the same state dir, attach to it (``mode: "attached"``); only the
-    creator's close() or exit stops it (see :mod:`tqtx.owner`).
+    creator's close() or exit stops it (see :mod:`tqtx.deploy.owner`).
     ``conf`` (TransferQueue's parameter name; ``config=`` is the same) is a dict, or
     TransferQueue's config (dict or OmegaConf; its
     ``backend.SimpleStorage.num_data_storage_units`` is ``num_units``, the rest is
-    ignored with one log line; see :mod:`tqtx.initconfig`). Its keys: ``num_units`` (2),
+    ignored with one log line; see :mod:`tqtx.deploy.initconfig`). Its keys: ``num_units`` (2),
     ``state_dir`` ($TQTX_STATE_DIR or a per-user state dir; the deployment is shared by
     the processes using the same state dir), ``host`` (127.0.0.1), ``port`` (0 = any),
     ``timeout`` (seconds), ``address`` (attach instead of starting). Returns the effective
@@ -70,7 +70,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
         raise TypeError("init() takes conf or config, not both")
     config = conf if conf is not None else config
     with _lock:
-        from .initconfig import resolve
+        from .deploy.initconfig import resolve
         given = resolve(config)  # checked also when it is not used (already initialized)
         if _client is not None:
             return dict(_config)
@@ -112,7 +112,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
         num_units = int(cfg["num_units"])
         if num_units < 1:
             raise ValueError("num_units must be >= 1")
-        from . import owner
+        from .deploy import owner
         lock = owner.creation_lock(state_dir)
         owner.acquire(lock)
         try:
@@ -154,7 +154,7 @@ def _warm_dump_path() -> None:
 
 def _attach_recorded(rec: dict, cfg: dict, asked_units):
     """Attach to the live deployment described by owner record ``rec``."""
-    from .owner import RecordedDeployment, record_curve
+    from .deploy.owner import RecordedDeployment, record_curve
     if asked_units is not None and int(asked_units) != rec.get("num_units"):
         # TransferQueue ignores the config of every init() but the first one, too.
         import logging
@@ -174,7 +174,7 @@ def _attach_recorded(rec: dict, cfg: dict, asked_units):
 
 def _start_embedded(cfg: dict, state_dir: str, num_units: int):
     """Start this process's deployment of ``state_dir`` (its owner record included)."""
-    from .deploy import LocalDeployment
+    from .deploy.local import LocalDeployment
     env = dict(cfg.get("env") or {})
     if cfg.get("insecure"):
         env["TQTX_INSECURE"] = "1"

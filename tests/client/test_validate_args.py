@@ -18,7 +18,7 @@ from tensordict import TensorDict
 import tqtx as tq
 from tqtx import KVBatchMeta, api
 from tqtx.errors import DumpFormatError, DumpNotFoundError, TqtxError
-from tqtx.initconfig import resolve
+from tqtx.deploy.initconfig import resolve
 from tqtx.validate import ARGUMENTS, ArgumentTypeError, check_call, check_snapshot_names
 
 

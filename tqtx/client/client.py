@@ -178,7 +178,7 @@ class Client:
         deadline = time.monotonic() + bound
         why = "it did not answer"
         tail = f"; {outcome}" if outcome else ""
-        final = getattr(self.deployment, "creator_gone", None)  # tqtx.owner: nothing restarts it
+        final = getattr(self.deployment, "creator_gone", None)  # tqtx.deploy.owner: nothing restarts it
         while True:
             if final is not None and final():
                 raise PeerDiedError(f"the controller at {self.address} is gone for good "
