@@ -433,7 +433,7 @@ def save_checkpoint(checkpoint_dir, *, include_storage: bool = True,
     metadata}``. ``include_storage=False`` has no effect (logged), as for TransferQueue's
     in-memory SimpleStorage: without the rows a restart would lose them."""
     check_call("save_checkpoint", locals())
-    from .checkpoint import save
+    from .dump.checkpoint import save
     return save(_client_of(), os.fspath(checkpoint_dir), metadata=metadata,
                 include_storage=include_storage)
 
@@ -445,7 +445,7 @@ def load_checkpoint(checkpoint_dir) -> dict:
     missing directory, ``metadata.json`` or unit file raises DumpNotFoundError (a
     FileNotFoundError) naming it, before anything is replaced."""
     check_call("load_checkpoint", locals())
-    from .checkpoint import load
+    from .dump.checkpoint import load
     return load(_client_of(), os.fspath(checkpoint_dir))
 
 
