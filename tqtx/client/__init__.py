@@ -4,8 +4,9 @@ the units (payload), its request paths, and the conversions and result types of 
 * :mod:`.client` -- :class:`Client`: routing, fan-out, following a restarted peer.
 * :mod:`.put_path`, :mod:`.get_path`, :mod:`.fence` -- a put, a get, and their retries when
   a row moved; :mod:`.result_layout` -- where a same-host get's rows land.
-* :mod:`.tensors` -- torch/tensordict batches to and from the wire values (the only torch
-  here, imported by whoever converts); :mod:`.semantics` -- which results the KV calls give.
+* :mod:`.tensors` -- torch/tensordict batches to and from the wire values (imports torch;
+  nothing else here does at import time, so ``import tqtx.client`` stays torch-free);
+  :mod:`.semantics` -- which results the KV calls give.
 * :mod:`.kvmeta`, :mod:`.batchmeta` -- TransferQueue's ``KVBatchMeta`` and ``BatchMeta``.
 
 Nothing here imports :mod:`tqtx.api`; the API, the dump/restore paths and the tools build on
