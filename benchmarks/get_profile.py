@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
     import tqtx as tq
-    from tqtx import client as cl, tensors
+    from tqtx.client import client as cl, tensors
     from tqtx.wire import peer as rpc_peer
 
     keys, td, _rows = rollout_buffer(a.mb)

@@ -12,8 +12,10 @@ import functools
 import os
 import threading
 
-from . import public, semantics
-from .client import Client, KVBatchMeta
+from . import public
+from .client import semantics
+from .client.client import Client
+from .client.kvmeta import KVBatchMeta
 from .dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
 from .errors import NotInitializedError
 from .gcpause import gc_paused
@@ -40,11 +42,11 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     Without ``address`` / ``$TQTX_ADDRESS``, the first process of a job to call init
     starts an embedded deployment (``mode: "embedded"``) and the others, calling the same
     bare ``init()`` with the same state dir, attach to it (``mode: "attached"``); only the
-    creator's close() or exit stops it (see :mod:`tqtx.owner`).
+    creator's close() or exit stops it (see :mod:`tqtx.deploy.owner`).
     ``conf`` (TransferQueue's parameter name; ``config=`` is the same) is a dict, or
     TransferQueue's config (dict or OmegaConf; its
     ``backend.SimpleStorage.num_data_storage_units`` is ``num_units``, the rest is
-    ignored with one log line; see :mod:`tqtx.initconfig`). Its keys: ``num_units`` (2),
+    ignored with one log line; see :mod:`tqtx.deploy.initconfig`). Its keys: ``num_units`` (2),
     ``state_dir`` ($TQTX_STATE_DIR or a per-user state dir; the deployment is shared by
     the processes using the same state dir), ``host`` (127.0.0.1), ``port`` (0 = any),
     ``timeout`` (seconds), ``address`` (attach instead of starting). Returns the effective
@@ -68,7 +70,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
         raise TypeError("init() takes conf or config, not both")
     config = conf if conf is not None else config
     with _lock:
-        from .initconfig import resolve
+        from .deploy.initconfig import resolve
         given = resolve(config)  # checked also when it is not used (already initialized)
         if _client is not None:
             return dict(_config)
@@ -110,7 +112,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
         num_units = int(cfg["num_units"])
         if num_units < 1:
             raise ValueError("num_units must be >= 1")
-        from . import owner
+        from .deploy import owner
         lock = owner.creation_lock(state_dir)
         owner.acquire(lock)
         try:
@@ -152,7 +154,7 @@ def _warm_dump_path() -> None:
 
 def _attach_recorded(rec: dict, cfg: dict, asked_units):
     """Attach to the live deployment described by owner record ``rec``."""
-    from .owner import RecordedDeployment, record_curve
+    from .deploy.owner import RecordedDeployment, record_curve
     if asked_units is not None and int(asked_units) != rec.get("num_units"):
         # TransferQueue ignores the config of every init() but the first one, too.
         import logging
@@ -172,7 +174,7 @@ def _attach_recorded(rec: dict, cfg: dict, asked_units):
 
 def _start_embedded(cfg: dict, state_dir: str, num_units: int):
     """Start this process's deployment of ``state_dir`` (its owner record included)."""
-    from .deploy import LocalDeployment
+    from .deploy.local import LocalDeployment
     env = dict(cfg.get("env") or {})
     if cfg.get("insecure"):
         env["TQTX_INSECURE"] = "1"
@@ -303,7 +305,7 @@ def kv_put(key: str, partition_id: str, fields=None, tag: dict | None = None,
     """Put one sample: ``fields`` is a dict (tensors get a batch dim) or a TensorDict row.
     ``data_parser`` is refused (NotImplementedError): it would ship code."""
     check_call("kv_put", locals())
-    from . import tensors
+    from .client import tensors
     _refuse_data_parser(data_parser)
     if fields is None and tag is None:  # TransferQueue's check
         raise ValueError("Please provide at least one parameter of fields or tag.")
@@ -324,7 +326,7 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
     """Put a batch: ``fields`` is a TensorDict (or dict) with batch_size == len(keys); one
     str is one key. ``data_parser`` is refused (NotImplementedError): it would ship code."""
     check_call("kv_batch_put", locals())
-    from . import tensors
+    from .client import tensors
     _refuse_data_parser(data_parser)
     keys = as_key_list(keys)
     if fields is None and tags is None:  # TransferQueue's check
@@ -342,7 +344,7 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
 
 
 def _put(keys, pid, columns, tags) -> KVBatchMeta:
-    from . import tensors
+    from .client import tensors
     from .schema import column_schema
     schemas = {}
     for field, values in columns.items():
@@ -375,7 +377,7 @@ def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields=None):
 
     ``keys`` and ``select_fields``: a str or a list. As TransferQueue by default: unknown
     keys and fields not produced for every key are left out, tensor fields come back
-    jagged (see :mod:`tqtx.semantics`). Strict mode: an unknown key raises
+    jagged (see :mod:`tqtx.client.semantics`). Strict mode: an unknown key raises
     KeysNotFoundError, a field not produced for every key FieldsNotFoundError (both
     ValueErrors), uniform tensor fields come back dense. A key whose row was lost raises
     RowsLostError (a KeyError) in both modes, never left out."""
@@ -406,7 +408,7 @@ def kv_list(partition_id: str | None = None) -> dict:
     """``{partition_id: {key: tag}}`` for one partition or all. Keys whose rows were lost
     are left out (:func:`list_lost_keys` names them)."""
     check_call("kv_list", locals())
-    from . import tensors
+    from .client import tensors
     raw = _client_of().list_keys(partition_id)
     return {pid: {k: tensors.decode_object(t) for k, t in keys.items()}
             for pid, keys in raw.items()}
@@ -431,7 +433,7 @@ def save_checkpoint(checkpoint_dir, *, include_storage: bool = True,
     metadata}``. ``include_storage=False`` has no effect (logged), as for TransferQueue's
     in-memory SimpleStorage: without the rows a restart would lose them."""
     check_call("save_checkpoint", locals())
-    from .checkpoint import save
+    from .dump.checkpoint import save
     return save(_client_of(), os.fspath(checkpoint_dir), metadata=metadata,
                 include_storage=include_storage)
 
@@ -443,7 +445,7 @@ def load_checkpoint(checkpoint_dir) -> dict:
     missing directory, ``metadata.json`` or unit file raises DumpNotFoundError (a
     FileNotFoundError) naming it, before anything is replaced."""
     check_call("load_checkpoint", locals())
-    from .checkpoint import load
+    from .dump.checkpoint import load
     return load(_client_of(), os.fspath(checkpoint_dir))
 
 
@@ -481,7 +483,7 @@ def list_restores(partition_id: str | None = None) -> list[dict]:
 def read_row_index(dump_dir) -> dict:
     """A dump's keys, source indexes, fields, tags and schemas, without reading any payload."""
     check_call("read_row_index", locals())
-    from . import tensors
+    from .client import tensors
     from . import format as fmt
     from .publish import dump_lock, recover_publications
     from .paths import check_path_arg, lock_path, old_path, siblings_writable
@@ -501,7 +503,7 @@ def __getattr__(name):
         from .dump.save import DumpHandle
         return DumpHandle
     if name == "BatchMeta":
-        from .batchmeta import BatchMeta
+        from .client.batchmeta import BatchMeta
         return BatchMeta
     raise AttributeError(name)
 

@@ -3,7 +3,7 @@
 verl's workers (``transferqueue_utils``, ``protocol.py``) and NeMo-RL's adapter call
 ``get_meta``, ``put``, ``get_data``, ``kv_retrieve_meta``, ``kv_retrieve_keys``,
 ``check_consumption_status``, ... (and their ``async_`` forms) with
-:class:`~tqtx.batchmeta.BatchMeta` batches. Each call here is TransferQueue's, in the same
+:class:`~tqtx.client.batchmeta.BatchMeta` batches. Each call here is TransferQueue's, in the same
 signature, done with tqtx's requests: metadata from the controller (KV_META, KV_KEYS,
 STREAM_META, ...; :mod:`tqtx.controller.dataplane`), rows by key through the KV path, so
 payload moves between the units and this process directly. Results have TransferQueue's
@@ -23,7 +23,7 @@ import os
 import time
 import weakref
 
-from .batchmeta import BatchMeta
+from .client.batchmeta import BatchMeta
 
 log = logging.getLogger("tqtx.dataplane")
 
@@ -52,7 +52,7 @@ def list_lost_keys(partition_id: str | None = None) -> dict:
     from . import api
     from .validate import check_call
     check_call("list_lost_keys", locals())
-    from .tensors import decode_object
+    from .client.tensors import decode_object
     raw = api._client_of().call_controller("LIST", {"partition_id": partition_id, "lost": True},
                                            what="listing lost keys")
     return {pid: {k: {**v, "tag": decode_object(v["tag"])} for k, v in keys.items()}
@@ -76,7 +76,7 @@ def _field_schema(schemas: dict, fields) -> dict:
 
 
 def _batch(pid: str, res: dict, fields, produced) -> BatchMeta:
-    from .tensors import decode_object
+    from .client.tensors import decode_object
     n = len(res["indexes"])
     return BatchMeta(res["indexes"], [pid] * n, _field_schema(res["schemas"], fields),
                      [1 if p else 0 for p in produced],
@@ -214,8 +214,8 @@ class DataPlaneClient:
     def get_data(self, metadata: BatchMeta):
         """The rows of ``metadata``'s samples and fields, in its order (a field not
         produced for one of them is a FieldsNotFoundError)."""
-        from . import semantics
-        from .tensors import TensorDict
+        from .client import semantics
+        from .client.tensors import TensorDict
         if not metadata or metadata.size == 0 or not metadata.field_names:
             log.warning("get_data: an empty BatchMeta; returning an empty TensorDict")
             return TensorDict({}, batch_size=[0])
@@ -322,7 +322,7 @@ def _rows(data, positions: list[int]):
 
 def _merge(parts: dict, groups: dict, n: int, fields: list[str]):
     """One batch, in request order, of the per-partition batches ``parts``."""
-    from .tensors import NonTensorStack, TensorDict, pack_tensor_rows
+    from .client.tensors import NonTensorStack, TensorDict, pack_tensor_rows
     out = {}
     for f in fields:
         rows = [None] * n

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 
-from .client import Client
+from .client.client import Client
 from .controller.server import Controller
 from .storage.unit import StorageUnit
 from .wire.peer import Peer

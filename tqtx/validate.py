@@ -7,7 +7,7 @@ whose message names the function, the argument, what it got and what it accepts.
 TransferQueue 0.1.11 accepts a shape it is accepted exactly (``keys``: one str or a list of
 str; ``select_fields``: a str or a list of str; ``conf``: a dict or a DictConfig); anything
 else is refused (docs/compatibility.md, *Arguments*). The keys of ``tq.init``'s config are
-checked with the same kinds in :mod:`tqtx.initconfig`.
+checked with the same kinds in :mod:`tqtx.deploy.initconfig`.
 
 A torch-free leaf (standard library only): a TensorDict is recognised by its type's module.
 """
@@ -353,7 +353,7 @@ class Parser(Kind):
 
 
 class Config(Kind):
-    """``tq.init``'s config: a dict or an OmegaConf DictConfig (its keys: tqtx.initconfig)."""
+    """``tq.init``'s config: a dict or an OmegaConf DictConfig (its keys: tqtx.deploy.initconfig)."""
 
     says = "a dict or an OmegaConf DictConfig"
 

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "tqtx"
 MAX_LINES = 550
 
-# What a server (controller, storage unit) must never import: the user-facing layer, the
-# client side of dump/restore, the tools, and the package face (``tqtx/__init__.py``).
-USER_FACING = ("tqtx.api", "tqtx.client", "tqtx.get_path", "tqtx.put_path", "tqtx.fence",
-               "tqtx.checkpoint", "tqtx.dump", "tqtx.cli", "tqtx.demo")
+# What a server (controller, storage unit) must never import: the user-facing layer (the
+# API, its low-level client, the client package with its put/get paths and fence), the client
+# side of dump/restore/checkpoint (tqtx.dump), the tools, and the package face.
+USER_FACING = ("tqtx.api", "tqtx.dataplane", "tqtx.client", "tqtx.dump",
+               "tqtx.cli", "tqtx.demo")
 FACE = "tqtx"
 SERVERS = ("tqtx.controller", "tqtx.storage")
 # What journal/ and format/ may import from tqtx, besides their own package.

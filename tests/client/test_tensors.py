@@ -1,4 +1,4 @@
-"""Client-side conversion (tqtx/tensors.py) between torch/tensordict and the wire value model.
+"""Client-side conversion (tqtx/client/tensors.py) between torch/tensordict and the wire value model.
 
 Everything goes through the real codec (encode -> bytes -> decode) as it would on the wire.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from tqtx import tensors as T
+from tqtx.client import tensors as T
 from tqtx.schema import column_schema
 from tqtx.wire.codec import INLINE_LIMIT, decode, encode
 from tqtx.wire.values import RawTensor

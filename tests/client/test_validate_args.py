@@ -18,7 +18,7 @@ from tensordict import TensorDict
 import tqtx as tq
 from tqtx import KVBatchMeta, api
 from tqtx.errors import DumpFormatError, DumpNotFoundError, TqtxError
-from tqtx.initconfig import resolve
+from tqtx.deploy.initconfig import resolve
 from tqtx.validate import ARGUMENTS, ArgumentTypeError, check_call, check_snapshot_names
 
 
@@ -139,7 +139,7 @@ def test_meta_and_metadata_and_init_arguments():
 
 
 def test_a_value_outside_64_bits_in_a_tag_is_a_value_error_not_an_overflow():
-    from tqtx.tensors import encode_object
+    from tqtx.client.tensors import encode_object
     with pytest.raises(ValueError, match="does not fit in 64 bits"):
         encode_object({"n": 2 ** 70}, "tag")
     assert encode_object({"n": 2 ** 64 - 1, "m": -(2 ** 63)}, "tag") == \

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from tqtx.initconfig import resolve
+from tqtx.deploy.initconfig import resolve
 
 # TransferQueue 0.1.11's default config (config.yaml), as a trainer passes it after merging
 TQ_DEFAULT = {

@@ -123,7 +123,7 @@ def test_a_unit_that_cannot_see_the_target_is_named(tmp_path, pid):
 
 
 def test_transferqueue_required_node_resource_is_unit_node_resource():
-    from tqtx.initconfig import resolve
+    from tqtx.deploy.initconfig import resolve
     cfg = resolve({"backend": {"SimpleStorage": {"num_data_storage_units": 4,
                                                  "required_node_resource": "storage_pool"}}})
     assert cfg == {"num_units": 4, "unit_node_resource": "storage_pool"}

@@ -246,7 +246,7 @@ def test_checkpoint_with_a_non_str_partition_id_is_refused_before_anything(share
     load_data_by_key(partition_id=5) create one) is refused naming the file and the id,
     before any unit stages a row: partition ids are str on every path (issue 33)."""
     from tqtx import format as fmt
-    from tqtx.checkpoint import MANIFEST
+    from tqtx.dump.checkpoint import MANIFEST
     from tqtx.wire.codec import packb, unpackb
     tq.kv_put("a", "p", {"x": torch.ones(3)})
     ckpt = tmp_path / "ckpt"

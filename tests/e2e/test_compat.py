@@ -18,7 +18,7 @@ import tqtx as tq
 from tq_procs import free_port_run
 from tqtx import KVBatchMeta
 from tqtx import format as fmt
-from tqtx.tensors import to_raw
+from tqtx.client.tensors import to_raw
 
 # TransferQueue 0.1.11 transfer_queue/interface.py: parameter names, kinds and defaults.
 TQ_SIGNATURES = {

@@ -16,7 +16,8 @@ import time
 import pytest
 
 import tqtx as tq
-from tqtx import PeerDiedError, StateDirInUseError, TqtxError, api, owner
+from tqtx import PeerDiedError, StateDirInUseError, TqtxError, api
+from tqtx.deploy import owner
 from tq_procs import alive, job_context, job_env, job_processes, race_member, wait_gone
 
 

@@ -13,7 +13,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
-from tqtx import semantics
+from tqtx.client import semantics
 
 pytestmark = pytest.mark.strict
 

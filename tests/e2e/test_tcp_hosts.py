@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from tqtx.deploy import _read_announcement
+from tqtx.deploy.local import _read_announcement
 
 # Under pytest-xdist these tests run one after another on one worker (they create and
 # remove network namespaces and veth pairs of their own).

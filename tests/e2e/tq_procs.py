@@ -215,7 +215,7 @@ def job_context():
     if _CTX is None:
         import multiprocessing
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "tensordict", "tqtx.api", "tqtx.tensors",
+        _CTX.set_forkserver_preload(["torch", "tensordict", "tqtx.api", "tqtx.client.tensors",
                                      "tq_procs"])
     return _CTX
 

@@ -99,7 +99,7 @@ def dump_capture(space: KeySpace, dump_dir: str) -> dict:
 
 def checkpoint_capture(space: KeySpace, ckpt_dir: str) -> dict:
     """Every key of ``space`` as a checkpoint holds it: its value id, LOST, NOROW or ABSENT
-    (see tqtx/checkpoint.py for the layout)."""
+    (see tqtx/dump/checkpoint.py for the layout)."""
     from tqtx.wire.codec import unpackb
     with open(os.path.join(ckpt_dir, "checkpoint_info.json")) as f:
         manifest = json.load(f)

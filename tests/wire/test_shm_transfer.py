@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from tqtx import fsutil, tensors
+from tqtx import fsutil
+from tqtx.client import tensors
 from tqtx.pids import process_started
 from tqtx.client import Column
 from tqtx.storage.replies import reply_columns

@@ -19,7 +19,7 @@ def serve(num_units, port, host, state_dir, insecure):
     import signal
     import threading
 
-    from ..deploy import LocalDeployment
+    from ..deploy.local import LocalDeployment
     from ..paths import default_state_dir
     env = {"TQTX_INSECURE": "1"} if insecure else {}
     stop = threading.Event()

@@ -131,9 +131,9 @@ class KVRequests:
         The fields' schemas were validated and merged by ALLOC, before any unit wrote. With
         ``gens`` (the generations ALLOC gave), keys that no longer hold their generation
         (cleared, or cleared and created again, since ALLOC) are not committed and come back
-        as ``stale`` (see :func:`tqtx.put_path.put_columns`); those among them that were
-        pending and never visible (abandoned, or pending under an earlier controller) also as
-        ``redo``: only those may be put again.
+        as ``stale`` (see :func:`tqtx.client.put_path.put_columns`); those among them that
+        were pending and never visible (abandoned, or pending under an earlier controller)
+        also as ``redo``: only those may be put again.
         A pending key that a concurrent put of it committed was visible, rows of this put
         included, so its clear came after this put.
         """

@@ -14,8 +14,8 @@ import time
 from .. import faults, paths, routing
 from .. import format as fmt
 from .. import states as st
-from ..fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
-from ..get_path import read_rows
+from ..client.fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
+from ..client.get_path import read_rows
 from ..errors import StaleRowsError
 from ..gcpause import gc_paused
 from ..journal.store import DumpJournal

@@ -61,7 +61,7 @@ def units_are_local(client) -> bool:
         return False
     if getattr(dep, "units_local", None) is not None:
         return bool(dep.units_local)
-    from ..deploy import LocalDeployment
+    from ..deploy.local import LocalDeployment
     if isinstance(dep, LocalDeployment):
         return True
     return bool(getattr(dep, "local", False))  # owner.RecordedDeployment of this host

@@ -44,7 +44,7 @@ class ServerHost:
               timeout: float) -> dict:
         """Start the server: ``{host}`` in ``args`` becomes this node's IP. Returns its
         announcement (``ready`` address or ``error``) plus ``pid`` and the node."""
-        from ..deploy import _read_announcement
+        from ..deploy.local import _read_announcement
         from ..errors import TqtxError
 
         where = self.where()

@@ -85,7 +85,7 @@ def _attach(rec: dict, cfg: dict):
 
 
 def _connect(rec: dict, cfg: dict, deployment, mode: str):
-    from ..client import Client
+    from ..client.client import Client
     from ..errors import TqtxError
     from .ray_cluster import record_curve
     try:

@@ -1,5 +1,5 @@
 """A unit's side of a whole-system checkpoint, top to bottom (the client's side is
-:mod:`tqtx.checkpoint`, the controller's decision ``checkpoint_load`` in
+:mod:`tqtx.dump.checkpoint`, the controller's decision ``checkpoint_load`` in
 :mod:`tqtx.controller.kv`).
 
 Saving is one step: SAVE_CHECKPOINT (:meth:`UnitCheckpoints.save`) writes the rows the

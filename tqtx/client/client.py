@@ -5,13 +5,14 @@ import os
 import threading
 import time
 
-from . import faults, get_path, put_path, routing
-from .errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, \
+from .. import faults, routing
+from . import get_path, put_path
+from ..errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError, \
     StaleRowsError, TqtxError
-from .wire import shm
-from .wire.peer import CONNECT_TIMEOUT, Peer, call_many
-from .wire.rpc import DEFAULT_TIMEOUT, new_id
-from .wire.columns import unpack_column  # noqa: F401  (re-exported)
+from ..wire import shm
+from ..wire.peer import CONNECT_TIMEOUT, Peer, call_many
+from ..wire.rpc import DEFAULT_TIMEOUT, new_id
+from ..wire.columns import unpack_column  # noqa: F401  (re-exported)
 from .get_path import Column  # noqa: F401  (re-exported)
 from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
 
@@ -84,7 +85,7 @@ class Client:
         self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}
                          for k in ("puts", "gets", "dumps", "restores")}
         self._counters_lock = threading.Lock()
-        from .metrics import ENABLED as counting
+        from ..metrics import ENABLED as counting
         self._counting = counting  # TQTX_METRICS=0 turns these off too
         deadline = time.monotonic() + wait_ready
         while True:
@@ -177,7 +178,7 @@ class Client:
         deadline = time.monotonic() + bound
         why = "it did not answer"
         tail = f"; {outcome}" if outcome else ""
-        final = getattr(self.deployment, "creator_gone", None)  # tqtx.owner: nothing restarts it
+        final = getattr(self.deployment, "creator_gone", None)  # tqtx.deploy.owner: nothing restarts it
         while True:
             if final is not None and final():
                 raise PeerDiedError(f"the controller at {self.address} is gone for good "
@@ -298,13 +299,13 @@ class Client:
     def put_columns(self, keys: list[str], pid: str, columns: dict[str, list],
                     schemas: dict[str, dict], tags: list | None, *, with_tags: bool = False):
         """Store rows for ``keys``; returns the common fields, with ``with_tags`` also the
-        keys' tags as stored now: ``(fields, tags)`` (:func:`tqtx.put_path.put_columns`)."""
+        keys' tags as stored now: ``(fields, tags)`` (:func:`tqtx.client.put_path.put_columns`)."""
         return put_path.put_columns(self, keys, pid, columns, schemas, tags,
                                     with_tags=with_tags)
 
     def get_rows(self, keys: list[str], pid: str, select_fields=None, *, lenient=False,
                  direct=False, alloc=None):
-        """(keys found, columns, schemas) in request order (:func:`tqtx.get_path.get_rows`)."""
+        """(keys found, columns, schemas) in request order (:func:`tqtx.client.get_path.get_rows`)."""
         return get_path.get_rows(self, keys, pid, select_fields, lenient=lenient,
                                  direct=direct, alloc=alloc)
 

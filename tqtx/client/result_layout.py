@@ -15,10 +15,10 @@ from math import prod
 
 import numpy as np
 
-from .errors import StaleRowsError
-from .wire import vmcopy
-from .wire.columns import NUMPY_DTYPE, unpack_column
-from .wire.values import DTYPE_SIZES, RawTensor
+from ..errors import StaleRowsError
+from ..wire import vmcopy
+from ..wire.columns import NUMPY_DTYPE, unpack_column
+from ..wire.values import DTYPE_SIZES, RawTensor
 
 log = logging.getLogger("tqtx.client")
 

@@ -12,18 +12,18 @@ import os
 import shutil
 import time
 
-from . import faults, fsutil, paths, routing
-from . import format as fmt
-from .publish import Publication, dump_lock, recover_publications
-from .errors import DumpFormatError, DumpNotFoundError, TqtxError
-from .fence import FENCE_ATTEMPTS, fence_pause
-from .journal.store import DumpJournal
-from .validate import check_snapshot_names
-from .version import __version__
-from .wire.codec import packb, unpackb
-from .wire.columns import pack_int64
-from .wire.peer import call_many
-from .wire.rpc import new_id
+from .. import faults, fsutil, paths, routing
+from .. import format as fmt
+from ..publish import Publication, dump_lock, recover_publications
+from ..errors import DumpFormatError, DumpNotFoundError, TqtxError
+from ..client.fence import FENCE_ATTEMPTS, fence_pause
+from ..journal.store import DumpJournal
+from ..validate import check_snapshot_names
+from ..version import __version__
+from ..wire.codec import packb, unpackb
+from ..wire.columns import pack_int64
+from ..wire.peer import call_many
+from ..wire.rpc import new_id
 
 # Version 2: unit files hold version 2 records (naming partition, key and generation) and
 # controller.msgpack rows carry the generation; version 1 checkpoints are still loaded.
@@ -48,7 +48,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
     t0 = time.perf_counter()
     ckpt_dir = paths.check_path_arg(ckpt_dir, "checkpoint_dir")
     paths.check_publish_target(ckpt_dir, "checkpoint")  # refuses before anything is touched
-    from .placement.probe import check_units_reach
+    from ..placement.probe import check_units_reach
     check_units_reach(client, ckpt_dir, "checkpoint")  # no-op when all units are local
     if not include_storage:
         # As TransferQueue does for its in-memory SimpleStorage: a checkpoint without the

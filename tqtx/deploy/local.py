@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 
-from . import paths
-from .errors import StateDirInUseError, TqtxError
-from .proc import controller_command, stop_child, unit_command
+from .. import paths
+from ..errors import StateDirInUseError, TqtxError
+from ..proc import controller_command, stop_child, unit_command
 
 log = logging.getLogger("tqtx.deploy")
 
@@ -45,7 +45,7 @@ class LocalDeployment:
 
     Children exit when this process dies (they watch a pipe), and on :meth:`stop`.
     With ``owner_record`` (default) it writes ``<state_dir>/deployment.json`` once ready,
-    so a bare ``tq.init()`` in another process attaches (see :mod:`tqtx.owner`); stop
+    so a bare ``tq.init()`` in another process attaches (see :mod:`tqtx.deploy.owner`); stop
     removes it.
     """
 
@@ -70,7 +70,7 @@ class LocalDeployment:
         # unit ids as ints: a config that went through JSON/OmegaConf has them as strings
         self.unit_env = {int(k): v for k, v in (unit_env or {}).items()}
         self.stopped = False
-        self.record: dict | None = None  # the owner record this process wrote (tqtx.owner)
+        self.record: dict | None = None  # the owner record this process wrote (tqtx.deploy.owner)
         log_dir = paths.log_dir(self.state_dir)
         os.makedirs(log_dir, exist_ok=True)
         try:

@@ -10,10 +10,11 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from . import fsutil, result_layout
-from .validate import check_utf8
-from .wire import shm
-from .wire.values import DTYPE_SIZES, RawTensor
+from .. import fsutil
+from . import result_layout
+from ..validate import check_utf8
+from ..wire import shm
+from ..wire.values import DTYPE_SIZES, RawTensor
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES if hasattr(torch, name)}
 
@@ -272,7 +273,7 @@ def _scatter_packed(out: torch.Tensor, values) -> bool:
 
 def result_buffer(nbytes: int):
     """A fresh, untouched byte tensor for units to copy a get's rows into (see
-    :meth:`tqtx.result_layout.ColumnPlan.open`): (tensor, address, numpy view)."""
+    :meth:`tqtx.client.result_layout.ColumnPlan.open`): (tensor, address, numpy view)."""
     t = torch.empty(nbytes, dtype=torch.uint8)
     return t, t.data_ptr(), t.numpy()
 
@@ -347,7 +348,7 @@ def _reader_pool():
 
 def _assemble_direct(values, files):
     """A tensor column some of whose rows are in reply files, read with ``preadv``
-    straight into the result (laid out as for a get copied in: :mod:`tqtx.result_layout`);
+    straight into the result (laid out as for a get copied in: :mod:`tqtx.client.result_layout`);
     None if the rows do not make one dense or jagged tensor of one dtype."""
     n, dtype = len(values), files[0][1].dtype
     parts = []

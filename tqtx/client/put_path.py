@@ -3,14 +3,14 @@
 Every row is written at the generation ALLOC gave it: a unit refuses an older generation
 than the row it holds (the key was cleared and its index given to another key meanwhile),
 and COMMIT_PUT refuses keys that no longer hold their generation; the put is then redone
-from ALLOC, as if it had come after the clear (:mod:`tqtx.fence`).
+from ALLOC, as if it had come after the clear (:mod:`tqtx.client.fence`).
 """
 from __future__ import annotations
 
-from . import faults, routing
-from .errors import PeerDiedError, PutPartlyAppliedError
+from .. import faults, routing
+from ..errors import PeerDiedError, PutPartlyAppliedError
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
-from .wire.rpc import new_id
+from ..wire.rpc import new_id
 
 # Only a controller found gone is waited for: one that is alive but slow (a timeout)
 # is reported as before.

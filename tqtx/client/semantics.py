@@ -65,7 +65,7 @@ def mark_mixable(schemas: dict) -> dict:
 def get(client, keys: list[str], pid: str, select: list[str] | None):
     """``kv_batch_get`` with TransferQueue's results (the module docstring)."""
     from . import tensors
-    from .errors import FieldsNotFoundError
+    from ..errors import FieldsNotFoundError
     found, columns, schemas = client.get_rows(keys, pid, select, lenient=True, direct=True,
                                               alloc=tensors.result_buffer)
     try:

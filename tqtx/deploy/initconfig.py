@@ -16,7 +16,7 @@ import difflib
 import logging
 from collections.abc import Mapping
 
-from .validate import (Address, Choice, Flag, Kind, Number, PathArg, Refused, Text, shown)
+from ..validate import (Address, Choice, Flag, Kind, Number, PathArg, Refused, Text, shown)
 
 log = logging.getLogger("tqtx.init")
 

@@ -2,16 +2,17 @@
 client, GET_INTO: the units copy straight into the result), columns in request order.
 
 Every row is read at the generation LOOKUP named: a unit holding another generation at an
-index refuses, and the get asks the controller again (:mod:`tqtx.fence`).
+index refuses, and the get asks the controller again (:mod:`tqtx.client.fence`).
 """
 from __future__ import annotations
 
-from . import faults, result_layout, routing
-from .errors import StaleRowsError, TqtxError
+from .. import faults, routing
+from . import result_layout
+from ..errors import StaleRowsError, TqtxError
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
-from .wire import shm
-from .wire.columns import unpack_column
-from .wire.rpc import new_id
+from ..wire import shm
+from ..wire.columns import unpack_column
+from ..wire.rpc import new_id
 
 # Same-host gets whose rows changed between their two steps are asked again this often,
 # then once more with every column in messages.
@@ -36,10 +37,10 @@ def get_rows(client, keys: list[str], pid: str, select_fields=None, *, lenient=F
     results): unknown keys, and fields not produced for every key, are left out.
     ``direct``: units on this host may hand tensor columns over outside the messages
     (see :mod:`tqtx.wire.shm`), such a column's rows are then ``None``: with ``alloc``
-    (see :meth:`tqtx.result_layout.ColumnPlan.open`) and where the kernel allows it,
+    (see :meth:`tqtx.client.result_layout.ColumnPlan.open`) and where the kernel allows it,
     they copy them into buffers it makes (the column's ``plan`` holds them), else they
     write reply files (its ``chunks`` hold :class:`shm.FileRows`; see
-    :func:`reply_files`). For :func:`tqtx.tensors.tensordict_from_columns`."""
+    :func:`reply_files`). For :func:`tqtx.client.tensors.tensordict_from_columns`."""
     body = {"partition_id": pid, "keys": keys, "select_fields": select_fields}
     if lenient:
         body["lenient"] = True

@@ -18,9 +18,9 @@ import socket
 import threading
 import time
 
-from . import fsutil, paths
-from .errors import TqtxError
-from .pids import process_alive, process_started  # noqa: F401  (owner.process_started)
+from .. import fsutil, paths
+from ..errors import TqtxError
+from ..pids import process_alive, process_started  # noqa: F401  (owner.process_started)
 
 log = logging.getLogger("tqtx.owner")
 
@@ -89,7 +89,7 @@ def write_record(state_dir: str, record: dict) -> None:
 
 def _deployment_curve(dep) -> tuple[bool, str | None, str | None]:
     """(uses CURVE, server public key, keys dir) as the deployment's processes decide it."""
-    from . import security
+    from .. import security
 
     forced = dep.env.get("TQTX_CURVE") == "1"
     if not (forced or not security.is_loopback(dep.host)):
@@ -120,7 +120,7 @@ def check_same_job(rec: dict) -> None:
     Two jobs of one user that share a state dir would otherwise share one buffer, and
     their partitions with it. Only a known job identity on both sides can tell them apart.
     """
-    from .errors import StateDirInUseError
+    from ..errors import StateDirInUseError
 
     theirs, mine = rec.get("job"), job_identity()
     if theirs and mine and theirs != mine:
@@ -166,7 +166,7 @@ def record_curve(rec: dict, cfg: dict):
     """The client socket configurator for the recorded deployment (None: plain)."""
     if not rec.get("curve"):
         return None
-    from .security import client_curve_for
+    from ..security import client_curve_for
     return client_curve_for(rec["state_dir"], server_key=cfg.get("server_key") or rec["server_key"],
                             keys_dir=cfg.get("keys_dir") or rec.get("keys_dir"),
                             client_key_file=cfg.get("client_key"))
@@ -213,7 +213,7 @@ class RecordedDeployment:
 
 def probe(rec: dict, state_dir: str, cfg: dict) -> str | None:
     """None if ``rec`` describes a live deployment of ``state_dir``, else why it is stale."""
-    from .wire.peer import Peer
+    from ..wire.peer import Peer
 
     if os.path.abspath(rec.get("state_dir") or "") != os.path.abspath(state_dir):
         return f"it names another state dir ({rec.get('state_dir')})"

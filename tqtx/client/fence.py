@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from .errors import StaleRowsError
+from ..errors import StaleRowsError
 
 # A read, put or dump that met a row of another generation (its key was cleared, or cleared
 # and put again, since the controller answered) asks the controller again: at most this
