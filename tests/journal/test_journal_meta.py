@@ -88,6 +88,7 @@ def test_answered_requests_are_kept_newest_first_out(journals, monkeypatch):
     from tqtx.journal import meta
     cj, mj = journals
     monkeypatch.setattr(meta, "REQUESTS_KEPT", 3)
+    monkeypatch.setattr(meta, "_TRIM_EVERY", 1)
     for i in range(5):
         reply = codec.packb({"freed": [i], "gens": [100 + i]})
         mj.write(MetaChange(deleted=[("p", f"k{i}")], answered=(f"r{i}", reply)))

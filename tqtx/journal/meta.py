@@ -54,9 +54,9 @@ CHECKPOINT_GEN_BASE = "checkpoint_gen_base"  # marker: that load's rows' generat
 # Replies of mutating requests kept in meta_requests: a resent copy comes within the
 # client's reconnect timeout, so the newest few thousand are plenty.
 REQUESTS_KEPT = 4096
-_ANSWER = ("INSERT OR REPLACE INTO meta_requests (request_id, seq, reply) VALUES "
-           "(?, (SELECT coalesce(max(seq), 0) + 1 FROM meta_requests), ?)")
-_TRIM_ANSWERS = "DELETE FROM meta_requests WHERE seq <= (SELECT max(seq) FROM meta_requests) - ?"
+_ANSWER = "INSERT OR REPLACE INTO meta_requests (request_id, seq, reply) VALUES (?, ?, ?)"
+_TRIM_ANSWERS = "DELETE FROM meta_requests WHERE seq <= ?"
+_TRIM_EVERY = 64  # answers written between trims (the table holds up to REQUESTS_KEPT + 64)
 
 
 def check_durability(value: str) -> str:
@@ -117,9 +117,6 @@ def apply_change(executemany: Callable[[str, Iterable], object], change: MetaCha
             executemany("DELETE FROM meta_markers WHERE name = ?", [(name,)])
         else:
             executemany(_SET_MARKER, [(name, str(value))])
-    if change.answered is not None:
-        executemany(_ANSWER, [change.answered])
-        executemany(_TRIM_ANSWERS, [(REQUESTS_KEPT,)])
 
 
 @lru_cache(maxsize=32)
@@ -168,9 +165,12 @@ class MetaJournal:
         self._pooled = engine.raw_connection()
         self._db = self._pooled.dbapi_connection
         self.transactions = 0
+        self._answers = 0  # seq of the last answer written to meta_requests
         if self.enabled:
             self._db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[durability]}")
             self._db.execute(f"PRAGMA journal_size_limit={_WAL_SIZE_LIMIT}")
+            row = self._db.execute("SELECT max(seq) FROM meta_requests").fetchone()
+            self._answers = int(row[0] or 0)
         else:
             self._write(MetaChange(replace=True))
             self._forget_answers()
@@ -194,6 +194,8 @@ class MetaJournal:
             db.execute("BEGIN IMMEDIATE")
             try:
                 apply_change(db.executemany, change)
+                if change.answered is not None:
+                    self._write_answer(change.answered)
                 db.execute("COMMIT")
             except BaseException:
                 if db.in_transaction:
@@ -203,6 +205,15 @@ class MetaJournal:
                         pass  # the error that got us here is the one to report
                 raise
         self.transactions += 1
+
+    def _write_answer(self, answered: tuple[str, bytes]) -> None:
+        """Record a request's reply (inside the change's transaction); every
+        :data:`_TRIM_EVERY` answers, drop those beyond the newest :data:`REQUESTS_KEPT`."""
+        seq = self._answers + 1
+        self._db.execute(_ANSWER, (answered[0], seq, answered[1]))
+        if seq % _TRIM_EVERY == 0:
+            self._db.execute(_TRIM_ANSWERS, (seq - REQUESTS_KEPT,))
+        self._answers = seq
 
     def _forget_answers(self) -> None:
         db = self._db
