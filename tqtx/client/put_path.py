@@ -2,8 +2,9 @@
 
 Every row is written at the generation ALLOC gave it: a unit refuses an older generation
 than the row it holds (the key was cleared and its index given to another key meanwhile),
-and COMMIT_PUT refuses keys that no longer hold their generation; the put is then redone
-from ALLOC, as if it had come after the clear (:mod:`tqtx.client.fence`).
+and COMMIT_PUT refuses keys that no longer hold their generation: the put came before that
+clear, and only keys that were never visible are put again from ALLOC
+(:mod:`tqtx.client.fence`; :func:`_put_all` says which).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ _CONTROLLER_LOST = (PeerDiedError,)
 
 
 class _ControllerRestarted(Exception):
-    """A put step met a new controller incarnation (which forgot the uncommitted ALLOC):
-    the put is redone from ALLOC. ``args[0]``: the step, ALLOC or COMMIT_PUT."""
+    """An ALLOC met a new controller incarnation (which forgot it), or the controller went
+    away again while a step was sent once more: the put is redone from ALLOC. ``args[0]``:
+    the step, ALLOC or COMMIT_PUT."""
 
 
 def put_columns(client, keys: list[str], pid: str, columns: dict[str, list],

@@ -246,7 +246,7 @@ class KVRequests:
         if part is None:
             return {"freed": [], "gens": []}
         change, gone = self.meta.plan_clear(part, body["keys"])
-        freed = [part.keys[k] for k in gone]
+        freed = part.indexes_of(gone)  # and the generations they held: the reply
         reply = {"freed": freed, "gens": part.gens_of(freed)}
         if gone:
             self._record_reply(change, req, reply)

@@ -295,8 +295,8 @@ class Metadata:
             change.dropped = [part.pid]
         return change, gone
 
-    def apply_clear(self, part: Partition, gone: list[str]) -> tuple[list[int], list[int]]:
-        """Remove ``gone``; returns their freed indexes and the generations those held."""
+    def apply_clear(self, part: Partition, gone: list[str]) -> None:
+        """Remove ``gone`` (their indexes freed for reuse)."""
         freed = []
         for key in gone:
             idx = part.keys.pop(key)
@@ -304,11 +304,9 @@ class Metadata:
             part.tags.pop(key, None)
             part.lost.pop(idx, None)
             freed.append(idx)
-        gens = part.gens_of(freed)
         self.release(freed)
         if not part.keys and not part.pending:
             del self.partitions[part.pid]
-        return freed, gens
 
     # ---------------------------------------------------------------- restore publish
     def plan_publish(self, pid: str, rows: list, field_schema: dict) -> tuple[MetaChange, dict]:

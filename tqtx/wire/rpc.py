@@ -222,7 +222,7 @@ class Server:
     def remember_reply(self, rid: str, result) -> None:
         """Answer a later copy of mutating request ``rid`` with ``result`` (a reply an
         earlier process serving this address recorded durably, as the controller's
-        journal does for CLEAR)."""
+        journal does for CLEAR and COMMIT_PUT)."""
         self._cache.put(rid, self._reply_frames(rid, result, None))
 
     def _reply_frames(self, rid, result, error) -> list:
