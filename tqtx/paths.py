@@ -45,6 +45,7 @@ CHECKPOINT_UNITS_DIR = "units"
 DEPLOYMENT_RECORD = "deployment.json"
 INIT_LOCK = "init.lock"
 CONTROLLER_OWNER = "controller.owner"
+UNITS_DIR = "units"
 LOGS_DIR = "logs"
 LOCK_SUFFIX = ".lock"
 OLD_SUFFIX = ".old"
@@ -151,6 +152,13 @@ def log_dir(state_dir: str | os.PathLike) -> str:
 def process_log(state_dir: str | os.PathLike, name: str) -> str:
     """``<state_dir>/logs/<name>.log`` (``controller``, ``unit-<k>``)."""
     return os.path.join(log_dir(state_dir), f"{name}.log")
+
+
+def unit_data_root(state_dir: str | os.PathLike) -> str:
+    """``<state_dir>/units``: where units keep their row logs (durability ``buffer`` and
+    ``sync``) unless ``$TQTX_UNIT_DATA_DIR`` names another place; unit ``k`` uses
+    ``unit-<k>/`` under it (:func:`tqtx.durability.unit_dir`)."""
+    return os.path.join(os.fspath(state_dir), UNITS_DIR)
 
 
 def controller_owner_path(state_dir: str | os.PathLike) -> Path:
