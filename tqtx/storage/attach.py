@@ -116,7 +116,8 @@ class UnitAttachment:
             switch = CheckpointSwitch(reply["apply_checkpoint"], int(reply["gen_base"]))
             self.incarnation = -1
             unit.server.call_soon(lambda: (self._unwatch(written),
-                                           unit.checkpoints.switch(switch)))
+                                           unit.checkpoints.switch(switch),
+                                           unit.write_log()))
             return reply
         drop, drop_staged = reply.get("drop") or [], reply.get("drop_staged") or []
         log.info("unit %d registered with controller incarnation %s: holds %d rows, %d staged "
@@ -148,6 +149,7 @@ class UnitAttachment:
                                    "gens": [g for _, g in gone]}, None)
             log.info("unit %d dropped %d rows the controller does not know (kept %d written "
                      "since its report)", unit.unit_id, done["dropped"], kept)
+            unit.write_log()
         for rid in drop_staged:
             unit.restore.drop_staged({"restore_id": rid}, None)
 

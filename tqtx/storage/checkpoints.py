@@ -211,9 +211,8 @@ class UnitCheckpoints:
                 return {"rows": len(unit.rows)}
             raise RuntimeError(f"unit {unit.unit_id} has no staged checkpoint {switch.load_id}")
         load.move(st.APPLIED)
-        unit.rows = load.rows
-        unit.gens = {idx: switch.gen_base + idx for idx in load.rows}
-        unit.bytes_held = load.nbytes
+        unit.replace_rows(load.rows, {idx: switch.gen_base + idx for idx in load.rows},
+                          load.nbytes)
         self.applied = switch.load_id
         unit.restore.drop_all()
         return {"rows": len(load.rows)}

@@ -29,7 +29,7 @@ from ..placement.probe import node_name, unit_probe
 from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
-from ..wire.rpc import Server
+from ..wire.rpc import Deferred, Server
 from ..wire.values import forget_shapes, row_nbytes, value_nbytes
 from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
@@ -37,6 +37,7 @@ from .dump_job import DumpJob
 from .memory import free_bytes, own_small_frames
 from .restore import RestoreWorker
 from .replies import into_reply, reply_columns
+from .rowlog import RowLog
 
 log = logging.getLogger("tqtx.unit")
 
@@ -48,6 +49,8 @@ UNIT_TOTALS = ("dumps_total", "dump_rows_total", "dump_bytes_total", "dump_secon
 
 
 IO_THREADS = 4
+# Requests that change rows; with a row log they write it before replying.
+LOGGED_OPS = ("PUT_ROWS", "DROP_ROWS", "APPLY_STAGED", "APPLY_CHECKPOINT")
 
 
 def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
@@ -74,7 +77,8 @@ class StorageUnit:
     checkpoint steps; dumps run here) and the request table of its server."""
 
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
-                 port: int = 0, curve=None, client_curve=None):
+                 port: int = 0, curve=None, client_curve=None, log_dir: str | None = None,
+                 sync: bool = False, flush_interval: float = 1.0):
         self.unit_id = unit_id
         self.controller_address = controller_address
         self.client_curve = client_curve
@@ -97,7 +101,25 @@ class StorageUnit:
         self.restore = RestoreWorker(self)
         self.checkpoints = UnitCheckpoints(self)
         self.dump_jobs: dict[str, DumpJob] = {}
+        # durability buffer / sync: the rows are also in a log in log_dir, replayed here
+        self.rowlog: RowLog | None = None
+        self.remove_log = False  # set by a SHUTDOWN without keep_buffer
+        self.replayed: dict | None = None
+        if log_dir is not None:
+            self._open_log(log_dir, sync, flush_interval)
         self._register_handlers()
+
+    def _open_log(self, log_dir: str, sync: bool, interval: float) -> None:
+        """Open the row log, replay it into the rows, then log every change from here on."""
+        rowlog = RowLog(log_dir, sync=sync, interval=interval,
+                        live_bytes=lambda: self.bytes_held,
+                        snapshot=lambda: (dict(self.rows), dict(self.gens)))
+        self.replayed = rowlog.replay(self.store_row, self._drop_row, self._emptied)
+        self.bytes_held = sum(map(row_nbytes, self.rows.values()))
+        log.info("unit %d: replayed %d rows from its row log %s (%d entries, %d bytes, "
+                 "%.3fs)", self.unit_id, len(self.rows), log_dir, self.replayed["entries"],
+                 self.replayed["bytes"], self.replayed["seconds"])
+        self.rowlog = rowlog.start()
 
     def _register_handlers(self) -> None:
         s = self.server
@@ -118,12 +140,37 @@ class StorageUnit:
             ("STATS", self.stats, False), ("GET_STATS", self.stats, False),
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
+            if self.rowlog is not None and op in LOGGED_OPS:
+                fn = self._logged(fn)
             s.add(op, fn, mutating=mutating)
         m = self.metrics
         m.declare(totals=UNIT_TOTALS)
         m.gauge("rows_held", lambda: len(self.rows))
         m.gauge("bytes_held", lambda: self.bytes_held)
         m.gauge("open_restores", lambda: len(self.restore.staging))
+
+    def _logged(self, fn):
+        """``fn`` followed by writing what it logged; with ``sync`` its reply waits for
+        the fsync of those writes."""
+        rowlog, server = self.rowlog, self.server
+
+        def handler(body, req):
+            reply = fn(body, req)
+            if not rowlog.dirty:
+                return reply
+            rowlog.write()
+            if not rowlog.sync or req is None or type(reply) is Deferred:
+                return reply
+            deferred = server.deferred(req, server.current_ident)
+            rowlog.when_durable(deferred, reply)
+            return deferred
+        return handler
+
+    def write_log(self) -> None:
+        """Write what the row log holds pending (loop thread; for changes made outside a
+        request handler)."""
+        if self.rowlog is not None:
+            self.rowlog.write()
 
     def controller(self) -> Peer:
         return Peer(self.controller_address, "controller", timeout=60, curve=self.client_curve)
@@ -137,6 +184,9 @@ class StorageUnit:
         return unit_probe(self.unit_id, body)
 
     def shutdown(self, body, req):
+        """Stop serving. The row log is removed unless ``keep_buffer``: a SHUTDOWN is a
+        clean close (a signal keeps the log, so a preempted job recovers)."""
+        self.remove_log = not (body or {}).get("keep_buffer")
         self.server.stop()
         return {"ok": True}
 
@@ -149,6 +199,8 @@ class StorageUnit:
         held = gens.get(idx)
         if held is not None and held > gen:
             return None
+        if self.rowlog is not None:
+            self.rowlog.row(idx, gen, values)
         nbytes, freed = row_nbytes(values), 0
         old = rows.get(idx)
         if held != gen or old is None:
@@ -239,15 +291,36 @@ class StorageUnit:
             raise ValueError(f"DROP_ROWS: {len(want)} generations for {len(indexes)} indexes")
         rows, gens = self.rows, self.gens
         n = freed = 0
+        gone, gone_gens = [], []
         for idx, gen in zip(indexes, want):
             if gens.get(idx) == gen:
                 del gens[idx]
                 freed += row_nbytes(rows.pop(idx))
                 n += 1
+                gone.append(idx)
+                gone_gens.append(gen)
         self.bytes_held -= freed
+        if gone and self.rowlog is not None:
+            self.rowlog.drop(gone, gone_gens)
         if n and not self.rows:
             self._emptied()
         return {"dropped": n}
+
+    def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int) -> None:
+        """Make ``rows`` (of generations ``gens``, ``nbytes`` value bytes) the unit's rows
+        (a checkpoint switch); the row log records the reset and every new row."""
+        self.rows, self.gens, self.bytes_held = rows, gens, nbytes
+        rowlog = self.rowlog
+        if rowlog is not None:
+            rowlog.reset()
+            for idx, row in rows.items():
+                rowlog.row(idx, gens[idx], row)
+
+    def _drop_row(self, idx: int, gen: int) -> None:
+        """Replay of a logged drop."""
+        if self.gens.get(idx) == gen:
+            del self.gens[idx]
+            del self.rows[idx]
 
     def _emptied(self) -> None:
         """The last row went: let go of what only rows needed, so the memory pages it sits
@@ -366,3 +439,5 @@ class StorageUnit:
         finally:
             self.attach.stopped.set()
             self.pool.shutdown(wait=True)
+            if self.rowlog is not None:
+                self.rowlog.close(remove=self.remove_log)

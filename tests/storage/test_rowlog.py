@@ -1,0 +1,197 @@
+"""The row log of a unit (durability buffer / sync): what a unit stored, dropped or replaced
+is what a unit opened on the same directory holds again, bit for bit; a torn tail is cut
+off; compaction keeps the rows and frees the disk; a clean close removes only the log's
+own files."""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from tqtx.storage import rowlog as rl
+from tqtx.storage.unit import StorageUnit
+from tqtx.wire.values import RawTensor
+
+
+def _tensor(seed: int, n: int = 64) -> RawTensor:
+    return RawTensor("int32", (n,), bytes((seed + i) % 251 for i in range(4 * n)))
+
+
+def _unit(tmp_path, **kw) -> StorageUnit:
+    unit = StorageUnit(0, "tcp://127.0.0.1:9", log_dir=str(tmp_path / "log"), **kw)
+    return unit
+
+
+def _close(unit: StorageUnit, remove: bool = False) -> None:
+    unit.server.stop()
+    unit.pool.shutdown(wait=True)
+    unit.rowlog.close(remove=remove)
+    unit.server.socket.close(linger=0)
+    unit.server._wake.close(linger=0)
+
+
+def _put(unit, rows, gens):
+    handler = unit.server.handlers["PUT_ROWS"][0]
+    return handler({"rows": rows, "gens": gens}, None)
+
+
+def _state(unit) -> dict:
+    return {i: (unit.gens[i], {f: (v.dtype, tuple(v.shape), bytes(v.data))
+                               if isinstance(v, RawTensor) else v for f, v in row.items()})
+            for i, row in unit.rows.items()}
+
+
+def test_puts_merges_drops_and_replacements_come_back_after_a_reopen(tmp_path):
+    unit = _unit(tmp_path)
+    _put(unit, [[0, {"a": _tensor(1), "n": 7}], [1, {"a": _tensor(2)}],
+                [2, {"a": _tensor(3), "s": "x"}]], [5, 6, 7])
+    _put(unit, [[0, {"b": _tensor(4, 3)}]], [5])          # merged into generation 5
+    _put(unit, [[1, {"a": _tensor(9)}]], [8])             # a newer key at index 1
+    _put(unit, [[2, {"a": _tensor(10)}]], [6])            # older generation: refused
+    unit.server.handlers["DROP_ROWS"][0]({"indexes": [0, 2], "gens": [4, 7]}, None)  # 0 kept
+    want = _state(unit)
+    assert set(want) == {0, 1} and set(want[0][1]) == {"a", "n", "b"}
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == want
+        assert again.bytes_held == unit.bytes_held
+        assert again.replayed["torn"] == [] and again.replayed["entries"] == 6
+    finally:
+        _close(again)
+
+
+def test_a_checkpoint_switch_replays_as_exactly_its_rows(tmp_path):
+    unit = _unit(tmp_path)
+    _put(unit, [[i, {"a": _tensor(i)}] for i in range(4)], [1] * 4)
+    unit.replace_rows({7: {"c": _tensor(70)}, 9: {"c": _tensor(90)}}, {7: 107, 9: 109}, 512)
+    unit.write_log()
+    want = _state(unit)
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == want and set(want) == {7, 9}
+    finally:
+        _close(again)
+
+
+def test_a_torn_last_entry_is_cut_off_and_the_rest_replayed(tmp_path):
+    unit = _unit(tmp_path)
+    _put(unit, [[0, {"a": _tensor(1)}]], [1])
+    before = _state(unit)
+    _put(unit, [[1, {"a": _tensor(2, 4096)}]], [1])
+    _close(unit)
+    seg = sorted(p for p in os.listdir(tmp_path / "log") if p.startswith("seg-"))[-1]
+    path = tmp_path / "log" / seg
+    os.truncate(path, os.path.getsize(path) - 100)  # the last write half done
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == before
+        assert again.replayed["torn"] == [str(path)]
+    finally:
+        _close(again)
+
+
+def test_a_corrupt_entry_stops_the_replay_of_its_file_there(tmp_path):
+    unit = _unit(tmp_path)
+    _put(unit, [[0, {"a": _tensor(1)}]], [1])
+    first = _state(unit)
+    _put(unit, [[1, {"a": _tensor(2)}]], [1])
+    _close(unit)
+    seg = tmp_path / "log" / "seg-00000001.log"
+    data = bytearray(seg.read_bytes())
+    data[-5] ^= 0xFF  # a payload byte of the second entry
+    seg.write_bytes(bytes(data))
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == first
+    finally:
+        _close(again)
+
+
+def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(rl, "COMPACT_SLACK", 64 << 10)
+    unit = _unit(tmp_path)
+    unit.rowlog.segment_bytes = 32 << 10
+    for rnd in range(40):  # put and drop: the files grow, the live rows do not
+        _put(unit, [[i, {"a": _tensor(rnd + i, 256)}] for i in range(8)], [rnd + 1] * 8)
+        if rnd < 39:
+            unit.server.handlers["DROP_ROWS"][0]({"indexes": list(range(8)),
+                                               "gens": [rnd + 1] * 8}, None)
+    for _ in range(200):
+        if not unit.rowlog._compacting:
+            break
+        threading.Event().wait(0.02)
+    assert unit.rowlog.compactions >= 1
+    files = os.listdir(tmp_path / "log")
+    disk = sum(os.path.getsize(tmp_path / "log" / f) for f in files)
+    assert disk <= 1.25 * unit.bytes_held + rl.COMPACT_SLACK + unit.rowlog.segment_bytes
+    assert any(f.startswith("base-") for f in files)
+    want = _state(unit)
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == want and len(want) == 8
+    finally:
+        _close(again)
+
+
+def test_clearing_everything_shrinks_the_directory_to_almost_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(rl, "COMPACT_SLACK", 16 << 10)
+    unit = _unit(tmp_path)
+    _put(unit, [[i, {"a": _tensor(i, 1024)}] for i in range(64)], [1] * 64)
+    unit.server.handlers["DROP_ROWS"][0]({"indexes": list(range(64)), "gens": [1] * 64}, None)
+    for _ in range(200):
+        if unit.rowlog.compactions and not unit.rowlog._compacting:
+            break
+        threading.Event().wait(0.02)
+    disk = sum(os.path.getsize(tmp_path / "log" / f) for f in os.listdir(tmp_path / "log"))
+    assert disk < 16 << 10
+    _close(unit)
+
+
+def test_sync_replies_after_an_fsync_that_concurrent_puts_share(tmp_path):
+    unit = _unit(tmp_path, sync=True)
+    replies: list = []
+
+    class Deferred:
+        def __init__(self):
+            self.done = threading.Event()
+
+        def reply(self, result=None, error=None):
+            replies.append((result, error))
+            self.done.set()
+
+    rowlog = unit.rowlog
+    waiters = []
+    for i in range(20):  # what 20 requests wrote before the flusher's turn
+        rowlog.row(i, 1, {"a": _tensor(i)})
+        rowlog.write()
+        d = Deferred()
+        waiters.append(d)
+        rowlog.when_durable(d, {"rows": 1})
+    for d in waiters:
+        assert d.done.wait(10)
+    assert len(replies) == 20 and all(e is None for _r, e in replies)
+    assert 1 <= rowlog.fsyncs < 20
+    _close(unit)
+
+
+def test_a_clean_close_removes_only_the_logs_files(tmp_path):
+    unit = _unit(tmp_path)
+    _put(unit, [[0, {"a": _tensor(1)}]], [1])
+    (tmp_path / "log" / "notes.txt").write_text("not the unit's")
+    _close(unit, remove=True)
+    assert os.listdir(tmp_path / "log") == ["notes.txt"]
+
+
+def test_a_second_unit_on_the_same_directory_is_refused(tmp_path):
+    unit = _unit(tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match="another unit process holds this row log"):
+            rl.RowLog(str(tmp_path / "log"), sync=False, interval=1.0,
+                      live_bytes=lambda: 0, snapshot=lambda: ({}, {}))
+    finally:
+        _close(unit)
