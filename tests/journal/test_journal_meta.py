@@ -13,7 +13,7 @@ from tqtx.wire.values import RawTensor
 @pytest.fixture
 def journals(tmp_path):
     with ControllerJournal(tmp_path / "state") as cj:
-        mj = MetaJournal(cj.engine, "full")
+        mj = MetaJournal(cj.engine, "sync")
         try:
             yield cj, mj
         finally:
@@ -84,7 +84,7 @@ def test_restore_finish_publishes_in_its_transaction(journals):
 
 def test_answered_requests_are_kept_newest_first_out(journals, monkeypatch):
     """A change's request reply is stored with it; only the newest REQUESTS_KEPT stay, and a
-    durability of "off" keeps none (nothing may answer for a change it did not keep)."""
+    durability of "memory" keeps none (nothing may answer for a change it did not keep)."""
     from tqtx.journal import meta
     cj, mj = journals
     monkeypatch.setattr(meta, "REQUESTS_KEPT", 3)
@@ -96,7 +96,7 @@ def test_answered_requests_are_kept_newest_first_out(journals, monkeypatch):
     assert [rid for rid, _ in answered] == ["r2", "r3", "r4"]
     assert codec.unpackb(answered[-1][1]) == {"freed": [4], "gens": [104]}
     assert MetaChange(answered=("r", b"x"))  # a change that only records a reply is written
-    off = MetaJournal(cj.engine, "off")
+    off = MetaJournal(cj.engine, "memory")
     try:
         assert off.load()["answered"] == []
     finally:

@@ -14,10 +14,21 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--parent-fd", type=int, default=-1)
     ap.add_argument("--log-file", default=None)
-    ap.add_argument("--durability", choices=("full", "normal", "off"),
-                    default=os.environ.get("TQTX_DURABILITY", "full"),
-                    help="how metadata changes are journaled (docs/journal.md)")
+    ap.add_argument("--durability", default=None,
+                    help="memory, controller (default), buffer or sync (docs/reliability.md, "
+                         "Durability); default $TQTX_DURABILITY")
+    ap.add_argument("--flush-interval-s", type=float, default=None,
+                    help="durability buffer: seconds between durable cuts (default "
+                         "$TQTX_FLUSH_INTERVAL_S, else 1.0)")
     args = ap.parse_args(argv)
+    from .. import durability as dur
+    try:
+        env_durability, env_interval = dur.from_env()
+        durability = env_durability if args.durability is None else dur.check(args.durability)
+        interval = (env_interval if args.flush_interval_s is None
+                    else dur.check_interval(args.flush_interval_s))
+    except ValueError as exc:
+        ap.error(str(exc))
     from ..proc import announce, setup_logging, stop_on_signals, watch_parent
     watch_parent(args.parent_fd)
     setup_logging(log_file=args.log_file, name="controller")
@@ -27,7 +38,7 @@ def main(argv=None) -> int:
         ctl = Controller(num_units=args.units, state_dir=args.state_dir, host=args.host,
                          port=args.port, curve=server_curve_for(args.host, args.state_dir),
                          client_curve=client_curve_for(args.state_dir),
-                         durability=args.durability)
+                         durability=durability, flush_interval_s=interval)
     except Exception as exc:
         announce({"error": type(exc).__name__, "message": str(exc)})
         return 2

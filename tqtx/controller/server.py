@@ -13,10 +13,11 @@ import os
 import socket
 import time
 
+from .. import durability as dur
 from .. import faults
 from .. import states as st
 from ..errors import ControllerRecoveringError, StateDirInUseError
-from ..journal.meta import MetaJournal, check_durability
+from ..journal.meta import MetaJournal
 from ..journal.store import ControllerJournal
 from ..paths import controller_lock_path, controller_owner_path
 from ..version import __version__
@@ -70,12 +71,16 @@ class Controller:
     (:class:`~tqtx.controller.dataplane.DataPlaneRequests`); startup replay in
     :mod:`tqtx.controller.startup`.
 
-    ``durability`` (``"full"``, ``"normal"``, ``"off"``): how metadata changes are journaled
-    (see :class:`~tqtx.journal.meta.MetaJournal`)."""
+    ``durability`` (``"memory"``, ``"controller"``, ``"buffer"``, ``"sync"``; see
+    :mod:`tqtx.durability`) and ``flush_interval_s``: how metadata changes are journaled
+    (see :class:`~tqtx.journal.meta.MetaJournal`); with ``"buffer"`` the loop makes a
+    durable cut at most every ``flush_interval_s`` when something was committed."""
 
     def __init__(self, *, num_units: int, state_dir: str, host: str = "127.0.0.1", port: int = 0,
-                 curve=None, client_curve=None, durability: str = "full"):
-        check_durability(durability)
+                 curve=None, client_curve=None, durability: str = dur.DEFAULT,
+                 flush_interval_s: float = dur.FLUSH_INTERVAL_S):
+        durability = dur.check(durability)
+        flush_interval_s = dur.check_interval(flush_interval_s)
         self.num_units = num_units
         self.state_dir = os.path.abspath(state_dir)
         self.lock = acquire_state_dir(self.state_dir)
@@ -88,7 +93,9 @@ class Controller:
         self.incarnation = self.journal.start_incarnation(
             pid=os.getpid(), host=socket.gethostname(), address=self.address, version=__version__)
         self.meta = Metadata(self.incarnation)
-        self.metajournal = MetaJournal(self.journal.engine, durability)
+        self.metajournal = MetaJournal(self.journal.engine, durability, flush_interval_s)
+        if self.metajournal.cuts_wanted:
+            self.server.turn_hooks.append(self._durable_cut)
         self.unit_peers = UnitPeers()
         self.restores = RestoreCoordinator(
             meta=self.meta, journal=self.journal, units=self.unit_peers, num_units=num_units,
@@ -265,6 +272,12 @@ class Controller:
         return {"ok": True}
 
 
+    def _durable_cut(self) -> None:
+        """Durability ``"buffer"``: make what was committed durable once the interval is up
+        (run by the loop after each turn, so on the journal connection's thread)."""
+        if self.metajournal.cut_due():
+            self.metajournal.cut()
+
     def _keys_held(self) -> int:
         return sum(len(p.keys) for p in list(self.meta.partitions.values()))
 
@@ -280,13 +293,23 @@ class Controller:
                 "uptime": time.time() - self.started, "address": self.address,
                 "partitions": len(self.meta.visible()), "keys": keys, "rows": keys, "bytes": 0,
                 "lost_rows": self.meta.lost_rows(), "durability": self.metajournal.durability,
+                "flush_interval_s": self.metajournal.flush_interval_s,
+                "durable_cuts": self.metajournal.cuts,
                 "open_restores": open_restores, "incarnation": self.incarnation,
                 "metrics_enabled": m.enabled, "ops": m.ops_snapshot(),
                 "totals": m.totals_snapshot()}
 
     def serve_forever(self) -> None:
+        # "buffer": the loop wakes at least once per flush interval to make its cut
+        poll_ms = (max(1, min(200, int(self.metajournal.flush_interval_s * 1000)))
+                   if self.metajournal.cuts_wanted else 200)
         try:
-            self.server.serve_forever()
+            self.server.serve_forever(poll_ms)
+            if self.metajournal.cuts_wanted:
+                try:  # a clean stop leaves nothing it committed undurable
+                    self.metajournal.cut()
+                except Exception:
+                    log.exception("the last durable cut of the metadata journal failed")
         finally:
             self.journal.end_incarnation(self.incarnation)
             self.metajournal.close()

@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable
 
 from sqlalchemy import Engine
 
+from .. import durability as dur
 from ..wire import codec
 from .base import journal_writes
 
-DURABILITY = ("full", "normal", "off")
+DURABILITY = dur.DURABILITY
 # SQLite's synchronous level per durability setting. WAL + NORMAL: a commit survives the
 # process (it is in the OS page cache), not a power loss; FULL fsyncs the WAL per commit.
-_SYNCHRONOUS = {"full": "FULL", "normal": "NORMAL"}
+# "buffer" commits as NORMAL and makes them durable at each cut (MetaJournal.cut).
+_SYNCHRONOUS = {dur.CONTROLLER: "NORMAL", dur.BUFFER: "NORMAL", dur.SYNC: "FULL"}
+# The marker each durable cut writes: its sequence number and wall-clock time.
+DURABLE_CUT = "durable_cut"
 # After a checkpoint SQLite truncates the WAL back to this size, so one large transaction
 # (a checkpoint replace of many keys) does not leave a large file behind.
 _WAL_SIZE_LIMIT = 16 << 20
@@ -60,10 +65,9 @@ _TRIM_EVERY = 64  # answers written between trims (the table holds up to REQUEST
 
 
 def check_durability(value: str) -> str:
-    """``value`` if it is a durability setting, else ValueError naming the choices."""
-    if value not in DURABILITY:
-        raise ValueError(f"durability {value!r}: expected one of {', '.join(DURABILITY)}")
-    return value
+    """The durability setting ``value`` names (:func:`tqtx.durability.check`: an earlier
+    value mapped to its replacement with a DeprecationWarning); ValueError otherwise."""
+    return dur.check(value)
 
 
 @dataclass
@@ -154,17 +158,25 @@ def buffer_summary(engine: Engine) -> list[dict]:
 class MetaJournal:
     """Write-through store of the controller's metadata on the controller journal's engine.
 
-    ``durability``: ``"full"`` (fsync per transaction), ``"normal"`` (survives a process
-    crash, not a power loss) or ``"off"`` (nothing is written; tables left by an earlier
-    durable run are emptied at open, so they can never resurrect stale keys).
+    ``durability`` (:mod:`tqtx.durability`): ``"memory"`` (nothing is written; tables left
+    by an earlier durable run are emptied at open, so they can never resurrect stale keys),
+    ``"controller"`` (WAL, synchronous NORMAL: a commit survives the process, not a power
+    loss), ``"buffer"`` (as ``"controller"``, plus a durable cut at most every
+    ``flush_interval_s``: :meth:`cut`) or ``"sync"`` (synchronous FULL: fsync per commit).
+    The values of earlier releases are mapped with a DeprecationWarning.
     """
 
-    def __init__(self, engine: Engine, durability: str = "full"):
-        self.durability = check_durability(durability)
+    def __init__(self, engine: Engine, durability: str = dur.DEFAULT,
+                 flush_interval_s: float = dur.FLUSH_INTERVAL_S):
+        self.durability = durability = dur.check(durability)
+        self.flush_interval_s = dur.check_interval(flush_interval_s)
         self.path = engine.url.database  # named by a failed write's JournalWriteError
         self._pooled = engine.raw_connection()
         self._db = self._pooled.dbapi_connection
         self.transactions = 0
+        self.cuts = 0  # durable cuts made (durability "buffer")
+        self._dirty = False  # something was committed since the last cut
+        self._last_cut = time.monotonic()
         self._answers = 0  # seq of the last answer written to meta_requests
         if self.enabled:
             self._db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[durability]}")
@@ -177,12 +189,61 @@ class MetaJournal:
 
     @property
     def enabled(self) -> bool:
-        return self.durability != "off"
+        return self.durability != dur.MEMORY
+
+    @property
+    def cuts_wanted(self) -> bool:
+        """Whether this journal makes periodic durable cuts (durability ``"buffer"``)."""
+        return self.durability == dur.BUFFER
 
     def write(self, change: MetaChange) -> None:
-        """Commit ``change`` (one transaction) unless durability is off or it is empty."""
+        """Commit ``change`` (one transaction) unless durability is memory or it is empty."""
         if self.enabled and change:
             self._write(change)
+            self._dirty = True
+
+    def cut_due(self, now: float | None = None) -> bool:
+        """Whether a cut is due: durability ``"buffer"``, something committed since the
+        last cut, and ``flush_interval_s`` passed since it."""
+        if not (self._dirty and self.cuts_wanted):
+            return False
+        now = time.monotonic() if now is None else now
+        return now - self._last_cut >= self.flush_interval_s
+
+    def cut(self) -> bool:
+        """Make every transaction committed so far durable; False (nothing done) when none
+        was committed since the last cut.
+
+        One transaction under synchronous FULL: in WAL mode SQLite fsyncs the WAL after a
+        FULL commit, and the WAL holds every earlier commit (https://sqlite.org/pragma.html
+        #pragma_synchronous). A PASSIVE checkpoint would not do: it syncs the WAL only when
+        it can copy frames back, which a reader holding an old snapshot prevents. The
+        transaction records the cut (marker :data:`DURABLE_CUT`: ``"<n> <unix time>"``).
+        Called on the controller's loop thread, the only one using this connection."""
+        if not self._dirty:
+            return False
+        db = self._db
+        n = self.cuts + 1
+        self._last_cut = time.monotonic()  # a failed cut is tried again an interval later
+        with journal_writes(self.path):
+            db.execute("PRAGMA synchronous=FULL")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.execute(_SET_MARKER, (DURABLE_CUT, f"{n} {time.time():.6f}"))
+                    db.execute("COMMIT")
+                except BaseException:
+                    if db.in_transaction:
+                        try:
+                            db.execute("ROLLBACK")
+                        except sqlite3.Error:
+                            pass  # the error that got us here is the one to report
+                    raise
+            finally:
+                db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[self.durability]}")
+        self.cuts = n
+        self._dirty = False
+        return True
 
     def _write(self, change: MetaChange) -> None:
         """One transaction. A write the file system fails (a full disk) is a

@@ -139,6 +139,8 @@ class Server:
         self._posted: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # call_soon() work for the loop
         self._after_reply: list[Callable[[], None]] = []
+        # run at the end of every loop turn (and so at least every poll_ms when idle)
+        self.turn_hooks: list[Callable[[], None]] = []
         self._wake_addr = f"inproc://tqtx-wake-{uuid.uuid4().hex}"
         self._wake = self.context.socket(zmq.PULL)
         self._wake.bind(self._wake_addr)
@@ -375,5 +377,10 @@ class Server:
                     self._timing = self.current_ident = ident = msg = None
                     if self._after_reply:
                         self._run_after_reply()
+            for hook in self.turn_hooks:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("%s: turn hook %r failed", self.name, hook)
         self.socket.close(linger=1000)
         self._wake.close(linger=0)
