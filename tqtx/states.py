@@ -38,6 +38,8 @@ CLAIMED = "claimed"
 STAGED = "staged"
 APPLIED = "applied"
 DROPPED = "dropped"
+# recovery event action: a unit came back with the rows of its row log (tqtx.storage.rowlog)
+REPLAYED = "replayed"
 RESTORE_UNIT_ACTIONS = (CLAIM, STAGED, FAILED)
 
 # publication phases

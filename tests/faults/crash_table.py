@@ -134,3 +134,14 @@ META = {f"controller.meta.{op}.{stage}":
         {"kill": META_KEPT if stage == "before_commit" and op in _KEPT_BEFORE_COMMIT
          else META_CHANGED}
         for op in META_OPS for stage in META_STAGES}
+
+# A unit's row log (durability sync) at every point of its append, seal, compaction and
+# fsync: the unit is killed there (or the step raises), then the whole job is killed and
+# started again on the same state dir. Every put acknowledged before is back bit for bit;
+# the put in flight at the fault is back with its own value or not at all (never another
+# key's value, never a half row).
+ACKED_KEPT = "acknowledged puts kept"
+ROWLOG_POINTS = ("unit.rowlog.before_append", "unit.rowlog.after_append",
+                 "unit.rowlog.after_seal", "unit.rowlog.before_fsync",
+                 "unit.rowlog.compact.before_fsync", "unit.rowlog.compact.after_rename")
+ROWLOG = {point: {"kill": ACKED_KEPT, "raise": ACKED_KEPT} for point in ROWLOG_POINTS}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from crash_table import BACKGROUND_DUMP, DUMP, META, RESTORE, RESTORE_ABORT
+from crash_table import BACKGROUND_DUMP, DUMP, META, RESTORE, RESTORE_ABORT, ROWLOG
 
 PKG = Path(__file__).resolve().parents[2] / "tqtx"
 
@@ -157,7 +157,7 @@ def sites() -> set[str]:
     return out
 
 
-MATRIX = {*DUMP, *BACKGROUND_DUMP, *RESTORE, *RESTORE_ABORT, *META}
+MATRIX = {*DUMP, *BACKGROUND_DUMP, *RESTORE, *RESTORE_ABORT, *META, *ROWLOG}
 
 
 def test_the_scan_finds_the_sites_it_expands():

@@ -195,3 +195,50 @@ def test_a_second_unit_on_the_same_directory_is_refused(tmp_path):
                       live_bytes=lambda: 0, snapshot=lambda: ({}, {}))
     finally:
         _close(unit)
+
+
+def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
+    """Every fsync of the log is recorded (file -> size); the power loss cuts each file
+    back to its last fsynced size and removes files no fsync of their directory covered.
+    The unit opened on what is left holds the rows of the last fsync, nothing half."""
+    synced: dict[str, int] = {}
+    dir_synced: set[str] = set()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        real_fsync(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isdir(path):
+            dir_synced.update(os.listdir(path))
+        else:
+            synced[path] = os.fstat(fd).st_size
+
+    monkeypatch.setattr(rl.os, "fsync", fsync)
+    monkeypatch.setattr(rl.fsutil.os, "fsync", fsync)
+    unit = _unit(tmp_path, flush_interval=3600.0)  # no fsync but the ones asked for
+    _put(unit, [[i, {"a": _tensor(i)}] for i in range(6)], [1] * 6)
+    unit.rowlog.flush()
+    durable = _state(unit)
+    _put(unit, [[i, {"a": _tensor(100 + i)}] for i in range(3, 9)], [1] * 6)  # not fsynced
+    unit.server.handlers["DROP_ROWS"][0]({"indexes": [0], "gens": [1]}, None)
+    assert _state(unit) != durable
+    # the power goes: the process never closes its log
+    unit.server.stop()
+    unit.pool.shutdown(wait=True)
+    unit.rowlog._lock_file.release()
+    unit.server.socket.close(linger=0)
+    unit.server._wake.close(linger=0)
+    log_dir = tmp_path / "log"
+    for name in os.listdir(log_dir):
+        path = str(log_dir / name)
+        if name == "lock":
+            continue
+        if name not in dir_synced:
+            os.unlink(path)
+        else:
+            os.truncate(path, synced.get(path, 0))
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == durable
+    finally:
+        _close(again)

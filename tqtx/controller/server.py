@@ -186,6 +186,9 @@ class Controller:
         drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
         if stale and held:
             drop = [[i, g] for i, g in zip(held.get("indexes") or (), held.get("gens") or ())]
+        if body.get("replayed"):
+            self._note_replay(uid, body["replayed"], len(held.get("indexes") or ()),
+                              len(drop), lost)
         self.dead_buffer.unit_reported(uid, held, body.get("attached", True))
         self.awaiting_units.discard(uid)
         if not self.awaiting_units:
@@ -199,6 +202,19 @@ class Controller:
                  f"{len(drop_staged)} stale restores" if lost or drop or drop_staged else "")
         faults.hit("controller.meta.unit_lost.before_reply")
         return {"incarnation": self.incarnation, "drop": drop, "drop_staged": drop_staged}
+
+    def _note_replay(self, uid: int, replayed: dict, rows: int, dropped: int,
+                     lost: int) -> None:
+        """Journal what unit ``uid`` brought back from its row log (``tqtx journal show``)."""
+        detail = (f"{rows} rows from {replayed.get('entries')} log entries "
+                  f"({replayed.get('bytes')} bytes, {float(replayed.get('seconds', 0)):.3f}s) "
+                  f"in {replayed.get('dir')}; {dropped} dropped (no committed put names "
+                  f"them), {lost} rows of committed keys missing (named lost), "
+                  f"{len(replayed.get('torn') or ())} torn file ends cut off")
+        self.journal.record_recovery(incarnation_id=self.incarnation, kind="unit-log",
+                                     target=f"unit {uid}", action=st.REPLAYED,
+                                     detail=detail[:2000])
+        log.warning("unit %d: %s", uid, detail)
 
     def _switch_first(self, uid: int) -> dict:
         """The reply to a unit registering while a checkpoint switch is open (the controller

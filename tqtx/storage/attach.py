@@ -104,12 +104,15 @@ class UnitAttachment:
                     "held": held_report(snapshot, gens), "staged": staged,
                     "checkpoint": {"applied": unit.checkpoints.applied,
                                    "staged": list(unit.checkpoints.staged)}}
+            if unit.replayed is not None:  # the first registration after a replayed row log
+                body["replayed"] = unit.replayed
             snapshot = gens = None
             reply = peer.call("REGISTER_UNIT", body, timeout=timeout) or {}
         except BaseException:
             unit.server.call_soon(lambda: self._unwatch(written))
             raise
         self.incarnation = reply.get("incarnation")
+        unit.replayed = None
         if reply.get("apply_checkpoint"):
             # a restarted controller rolls a decided checkpoint load forward: switch, then
             # report again (the next heartbeat registers: -1 matches no incarnation)

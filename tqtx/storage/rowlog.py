@@ -55,8 +55,9 @@ log = logging.getLogger("tqtx.unit")
 ROW, DROP, RESET = 1, 2, 3
 _ENTRY = struct.Struct("<4sBqqII")
 _MAGIC = b"TQLE"
-SEGMENT_BYTES = 64 << 20  # a segment is sealed past this size
-COMPACT_SLACK = 16 << 20  # files may exceed 1.25x the live bytes by this much
+# a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack
+SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(64 << 20)))
+COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
 _NAME = re.compile(r"^(seg|base)-(\d{8})\.(log|tmp)$")
 
 
@@ -69,9 +70,10 @@ class RowLog:
 
     def __init__(self, directory: str, *, sync: bool, interval: float,
                  live_bytes: Callable[[], int], snapshot: Callable[[], tuple[dict, dict]],
-                 segment_bytes: int = SEGMENT_BYTES):
+                 segment_bytes: int | None = None):
         self.dir, self.sync, self.interval = os.fspath(directory), sync, interval
-        self.live_bytes, self.snapshot, self.segment_bytes = live_bytes, snapshot, segment_bytes
+        self.live_bytes, self.snapshot = live_bytes, snapshot
+        self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         os.makedirs(self.dir, exist_ok=True)
         self._lock_file = filelock.FileLock(os.path.join(self.dir, "lock"))
         try:
@@ -214,7 +216,8 @@ class RowLog:
         self._written += n
         if self._size >= self.segment_bytes:
             self._seal()
-        if not self._compacting and self._disk > 1.25 * self.live_bytes() + COMPACT_SLACK:
+        if not self._compacting and \
+                self._disk > 1.25 * self.live_bytes() + COMPACT_SLACK:
             self._compact()
         if not self.sync:
             return
@@ -321,16 +324,16 @@ class RowLog:
         error = None
         try:
             self._sync()
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the waiters get it; the flusher goes on
             error = self.error = exc
-            log.error("row log %s: fsync failed: %s", self.dir, exc)
+            log.error("row log %s: fsync failed: %r", self.dir, exc)
         for deferred, reply in waiters:
             if error is None:
                 deferred.reply(reply)
             else:
-                deferred.reply(error=OSError(error.errno, f"row log {self.dir}: the rows "
-                                             f"were stored but could not be made durable: "
-                                             f"{error.strerror}"))
+                deferred.reply(error=OSError(getattr(error, "errno", None) or 5,
+                                             f"row log {self.dir}: the rows were stored but "
+                                             f"could not be made durable: {error}"))
 
     def _sync(self) -> None:
         written = self._written

@@ -49,8 +49,11 @@ UNIT_TOTALS = ("dumps_total", "dump_rows_total", "dump_bytes_total", "dump_secon
 
 
 IO_THREADS = 4
-# Requests that change rows; with a row log they write it before replying.
+# Requests that change rows; with a row log they write it before replying, and with
+# durability sync those that store rows reply once it is fsynced (a dropped row needs no
+# fsync: the controller's journal no longer names it, so a replay that finds it drops it).
 LOGGED_OPS = ("PUT_ROWS", "DROP_ROWS", "APPLY_STAGED", "APPLY_CHECKPOINT")
+SYNCED_OPS = ("PUT_ROWS", "APPLY_STAGED", "APPLY_CHECKPOINT")
 
 
 def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
@@ -115,6 +118,7 @@ class StorageUnit:
                         live_bytes=lambda: self.bytes_held,
                         snapshot=lambda: (dict(self.rows), dict(self.gens)))
         self.replayed = rowlog.replay(self.store_row, self._drop_row, self._emptied)
+        self.replayed["dir"] = log_dir
         self.bytes_held = sum(map(row_nbytes, self.rows.values()))
         log.info("unit %d: replayed %d rows from its row log %s (%d entries, %d bytes, "
                  "%.3fs)", self.unit_id, len(self.rows), log_dir, self.replayed["entries"],
@@ -141,7 +145,7 @@ class StorageUnit:
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
             if self.rowlog is not None and op in LOGGED_OPS:
-                fn = self._logged(fn)
+                fn = self._logged(fn, wait=op in SYNCED_OPS)
             s.add(op, fn, mutating=mutating)
         m = self.metrics
         m.declare(totals=UNIT_TOTALS)
@@ -149,17 +153,18 @@ class StorageUnit:
         m.gauge("bytes_held", lambda: self.bytes_held)
         m.gauge("open_restores", lambda: len(self.restore.staging))
 
-    def _logged(self, fn):
-        """``fn`` followed by writing what it logged; with ``sync`` its reply waits for
-        the fsync of those writes."""
+    def _logged(self, fn, *, wait: bool):
+        """``fn`` followed by writing what it logged; with ``sync`` and ``wait`` its reply
+        waits for the fsync of those writes."""
         rowlog, server = self.rowlog, self.server
+        wait = wait and rowlog.sync
 
         def handler(body, req):
             reply = fn(body, req)
             if not rowlog.dirty:
                 return reply
             rowlog.write()
-            if not rowlog.sync or req is None or type(reply) is Deferred:
+            if not wait or req is None or type(reply) is Deferred:
                 return reply
             deferred = server.deferred(req, server.current_ident)
             rowlog.when_durable(deferred, reply)

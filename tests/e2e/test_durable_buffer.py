@@ -1,0 +1,116 @@
+"""A buffer that survives the whole job (durability buffer and sync): after a SIGKILL of
+every process, a start on the same state dir brings back every acknowledged put bit for bit,
+no cleared key comes back, and a unit killed alone comes back with its rows. Real processes,
+loopback only, each test in its own state dir."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tqtx as tq
+from tqtx import api
+
+pytestmark = pytest.mark.timeout(300)
+
+PID = "p"
+
+
+def _batch(keys, base: int) -> TensorDict:
+    n = len(keys)
+    return TensorDict({"v": torch.arange(base, base + n * 5, dtype=torch.int64).reshape(n, 5),
+                       "w": torch.rand(n, 3, generator=torch.Generator().manual_seed(base))},
+                      batch_size=[n])
+
+
+def _read(keys) -> dict:
+    td = tq.kv_batch_get(keys, PID)
+    return {k: (td["v"][i].tolist(), td["w"][i].tolist()) for i, k in enumerate(keys)}
+
+
+def _kill_everything() -> None:
+    """What a SIGKILL of the whole job leaves: no END_BUFFER, no SHUTDOWN."""
+    api._deployment.stop(graceful=False)
+    api._client.close()
+    api._client = api._deployment = api._config = None
+
+
+def _wait_ready(timeout: float = 60.0) -> None:
+    client = tq.get_client()
+    deadline = time.monotonic() + timeout
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        assert time.monotonic() < deadline, "the units did not re-register"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("durability", ["buffer", "sync"])
+def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path, durability):
+    state = str(tmp_path / "state")
+    cfg = {"durability": durability, "flush_interval_s": 0.2, "state_dir": state}
+    tq_start(2, **cfg)
+    keys = [f"k{i}" for i in range(40)]
+    tq.kv_batch_put(keys, PID, _batch(keys, 0), tags=[{"i": i} for i in range(40)])
+    tq.kv_batch_put(keys[:10], PID, _batch(keys[:10], 1000))   # overwritten
+    tq.kv_clear(keys[30:], PID)                                  # cleared
+    tq.kv_batch_put(["late"], PID, _batch(["late"], 7))          # a reused index
+    tq.kv_put("tag-only", PID + "-t", tag={"status": "running"})
+    live = keys[:30] + ["late"]
+    want = _read(live)
+    _kill_everything()
+
+    tq_start(2, **cfg)
+    _wait_ready()
+    assert sorted(tq.kv_list()[PID]) == sorted(live)
+    assert tq.list_lost_keys() == {}
+    assert _read(live) == want
+    assert tq.kv_list(PID)[PID]["k3"] == {"i": 3}
+    assert tq.kv_list(PID + "-t") == {PID + "-t": {"tag-only": {"status": "running"}}}
+    stats = tq.get_client().stats()
+    assert stats["controller"]["lost_rows"] == 0
+    # and the recovered buffer carries on: a put and a clear after the recovery
+    tq.kv_batch_put(["new"], PID, _batch(["new"], 99))
+    tq.kv_clear(["k0"], PID)
+    assert "k0" not in tq.kv_list(PID)[PID] and _read(["new"]) == {
+        "new": ([99, 100, 101, 102, 103], _batch(["new"], 99)["w"][0].tolist())}
+
+
+def test_a_unit_killed_alone_comes_back_with_its_rows(tq_start, tmp_path):
+    tq_start(2, durability="buffer", state_dir=str(tmp_path / "state"))
+    keys = [f"k{i}" for i in range(20)]
+    tq.kv_batch_put(keys, PID, _batch(keys, 0))
+    want = _read(keys)
+    dep = api._deployment
+    proc = dep.procs["unit 0"]
+    proc.kill()
+    proc.wait(10)
+    dep.restart_unit(0)
+    _wait_ready()
+    assert tq.list_lost_keys() == {}
+    assert _read(keys) == want
+
+
+def test_a_clean_close_leaves_no_buffer_and_no_log(tq_start, tmp_path):
+    state = str(tmp_path / "state")
+    tq_start(2, durability="sync", state_dir=state)
+    keys = [f"k{i}" for i in range(8)]
+    tq.kv_batch_put(keys, PID, _batch(keys, 0))
+    units = os.path.join(state, "units")
+    assert sorted(os.listdir(units)) == ["unit-0", "unit-1"]
+    tq.close()
+    assert not os.path.exists(units) or not any(
+        f.endswith(".log") for _d, _s, files in os.walk(units) for f in files)
+    tq_start(2, durability="sync", state_dir=state)
+    assert tq.kv_list() == {}
+
+
+def test_the_controller_setting_keeps_no_rows_across_a_killed_job(tq_start, tmp_path):
+    state = str(tmp_path / "state")
+    tq_start(2, durability="controller", state_dir=state)
+    tq.kv_batch_put(["a", "b"], PID, _batch(["a", "b"], 0))
+    assert not os.path.exists(os.path.join(state, "units"))
+    _kill_everything()
+    tq_start(2, durability="controller", state_dir=state)
+    assert tq.kv_list() == {} and tq.list_lost_keys() == {}

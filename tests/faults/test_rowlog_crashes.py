@@ -1,0 +1,117 @@
+"""Crash matrix, row log part: a unit of a ``sync`` deployment is killed (or its step raises)
+at every point of its row log (crash_table.ROWLOG), then the whole job is SIGKILLed and
+started again on the same state dir. Every put acknowledged before the fault is back bit for
+bit, every acknowledged clear stays cleared, and the keys of the operation in flight hold
+their own value or are absent. Real processes, loopback only.
+
+Small segments and compaction thresholds (``TQTX_ROWLOG_SEGMENT_BYTES``,
+``TQTX_ROWLOG_COMPACT_SLACK``) make the seal and compaction points come early. Two cases
+run in the quick tier, the rest in the slow tier."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tqtx as tq
+from crash_table import ACKED_KEPT, ROWLOG
+from tqtx import api
+
+pytestmark = pytest.mark.timeout(300)
+
+PID = "p"
+ROUNDS = 12
+FAST = {("unit.rowlog.after_append", "kill"), ("unit.rowlog.compact.after_rename", "kill")}
+# the hit of the point that fires: late enough for puts to be acknowledged before it
+NTH = {"unit.rowlog.before_append": 3, "unit.rowlog.after_append": 3,
+       "unit.rowlog.before_fsync": 3}
+
+
+def _cases():
+    for point, actions in ROWLOG.items():
+        for action, outcome in actions.items():
+            marks = [] if (point, action) in FAST else [pytest.mark.slow]
+            yield pytest.param(point, action, outcome, id=f"{point}:{action}", marks=marks)
+
+
+def _rows(keys, seed: int) -> TensorDict:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDict({"x": torch.randint(0, 1 << 30, (len(keys), 1024), generator=gen)},
+                      batch_size=[len(keys)])
+
+
+def _kill_everything() -> None:
+    api._deployment.stop(graceful=False)
+    api._client.close()
+    api._client = api._deployment = api._config = None
+
+
+def _unit_log(state: str) -> str:
+    with open(os.path.join(state, "logs", "unit-0.log")) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("point, action, outcome", list(_cases()))
+def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
+    assert outcome == ACKED_KEPT
+    state = str(tmp_path / "state")
+    env = {"TQTX_FAULTS": f"{point}@{NTH.get(point, 1)}:{action}",
+           "TQTX_ROWLOG_SEGMENT_BYTES": str(64 << 10),
+           "TQTX_ROWLOG_COMPACT_SLACK": str(96 << 10)}
+    tq_start(2, state_dir=state, durability="sync", flush_interval_s=0.2, unit_env={0: env},
+             timeout=10)
+    unit0 = api._deployment.procs["unit 0"]
+    acked: dict[str, list] = {}      # key -> its value, put and not cleared, both acknowledged
+    in_flight: dict[str, list] = {}  # keys of a failed operation: their value or absent
+    failures = 0
+    prev: list[str] = []
+    for rnd in range(ROUNDS):
+        keys = [f"r{rnd}k{i}" for i in range(8)]
+        td = _rows(keys, rnd)
+        values = {k: td["x"][i].tolist() for i, k in enumerate(keys)}
+        try:
+            tq.kv_batch_put(keys, PID, td)
+            acked.update(values)
+        except Exception:  # noqa: BLE001 - the fault's error: the put may or may not be done
+            failures += 1
+            in_flight.update(values)
+        if prev:  # dead bytes in the log, so that a compaction comes
+            try:
+                tq.kv_clear(prev, PID)
+                for k in prev:
+                    acked.pop(k, None)
+            except Exception:  # noqa: BLE001 - cleared or not
+                failures += 1
+                for k in prev:
+                    if k in acked:
+                        in_flight[k] = acked.pop(k)
+        prev = [k for k in keys if k in acked]
+        if unit0.poll() is not None:
+            break
+    time.sleep(0.3)  # a background compaction reaches its point
+    if action == "kill":
+        assert unit0.poll() is not None, f"unit 0 did not die at {point}"
+    else:
+        assert failures or "InjectedFault" in _unit_log(state), f"{point} did not fire"
+    assert acked, "no put was acknowledged before the fault"
+    _kill_everything()
+
+    tq_start(2, state_dir=state, durability="sync", timeout=10)
+    client = tq.get_client()
+    deadline = time.monotonic() + 60
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        assert time.monotonic() < deadline, "the units did not re-register"
+        time.sleep(0.1)
+    listed = set(tq.kv_list().get(PID, {}))
+    lost = set(tq.list_lost_keys().get(PID, {}))
+    assert set(acked) <= listed, f"acknowledged keys missing: {sorted(set(acked) - listed)}"
+    assert listed <= set(acked) | set(in_flight), "keys back that were cleared or never put"
+    assert lost <= set(in_flight)
+    readable = sorted(listed - lost)
+    got = tq.kv_batch_get(readable, PID)["x"] if readable else []
+    for k, row in zip(readable, got):
+        want = acked.get(k, in_flight.get(k))
+        assert row.tolist() == want, f"key {k} reads another value"
