@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 import tqtx as tq
 from tqtx import api
+from tqtx.errors import TqtxError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -114,3 +115,17 @@ def test_the_controller_setting_keeps_no_rows_across_a_killed_job(tq_start, tmp_
     _kill_everything()
     tq_start(2, durability="controller", state_dir=state)
     assert tq.kv_list() == {} and tq.list_lost_keys() == {}
+
+
+def test_a_logged_buffer_refuses_another_unit_count_and_says_how_to_move(tq_start, tmp_path):
+    state = str(tmp_path / "state")
+    tq_start(2, durability="buffer", state_dir=state)
+    tq.kv_batch_put(["a", "b", "c"], PID, _batch(["a", "b", "c"], 0))
+    want = _read(["a", "b", "c"])
+    _kill_everything()
+    with pytest.raises(TqtxError, match="kept by 2 units in their row logs.*num_units=2"):
+        tq_start(3, durability="buffer", state_dir=state)
+    tq.close()
+    tq_start(2, durability="buffer", state_dir=state)
+    _wait_ready()
+    assert _read(["a", "b", "c"]) == want

@@ -20,7 +20,15 @@ def _tensor(seed: int, n: int = 64) -> RawTensor:
 
 def _unit(tmp_path, **kw) -> StorageUnit:
     unit = StorageUnit(0, "tcp://127.0.0.1:9", log_dir=str(tmp_path / "log"), **kw)
+    # the request loop does not run here: what the log asks of it runs after each request
+    unit.loop_calls = []
+    unit.rowlog._call_soon = unit.loop_calls.append
     return unit
+
+
+def _loop_turn(unit) -> None:
+    while unit.loop_calls:
+        unit.loop_calls.pop(0)()
 
 
 def _close(unit: StorageUnit, remove: bool = False) -> None:
@@ -32,8 +40,24 @@ def _close(unit: StorageUnit, remove: bool = False) -> None:
 
 
 def _put(unit, rows, gens):
-    handler = unit.server.handlers["PUT_ROWS"][0]
-    return handler({"rows": rows, "gens": gens}, None)
+    reply = unit.server.handlers["PUT_ROWS"][0]({"rows": rows, "gens": gens}, None)
+    _loop_turn(unit)
+    return reply
+
+
+def _drop(unit, indexes, gens):
+    unit.server.handlers["DROP_ROWS"][0]({"indexes": indexes, "gens": gens}, None)
+    _loop_turn(unit)
+
+
+def _settle(unit, what) -> None:
+    """Wait (bounded) until ``what()`` holds, running the loop's share meanwhile."""
+    for _ in range(500):
+        _loop_turn(unit)
+        if what():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the row log did not settle")
 
 
 def _state(unit) -> dict:
@@ -49,7 +73,7 @@ def test_puts_merges_drops_and_replacements_come_back_after_a_reopen(tmp_path):
     _put(unit, [[0, {"b": _tensor(4, 3)}]], [5])          # merged into generation 5
     _put(unit, [[1, {"a": _tensor(9)}]], [8])             # a newer key at index 1
     _put(unit, [[2, {"a": _tensor(10)}]], [6])            # older generation: refused
-    unit.server.handlers["DROP_ROWS"][0]({"indexes": [0, 2], "gens": [4, 7]}, None)  # 0 kept
+    _drop(unit, [0, 2], [4, 7])  # 0 kept
     want = _state(unit)
     assert set(want) == {0, 1} and set(want[0][1]) == {"a", "n", "b"}
     _close(unit)
@@ -67,6 +91,7 @@ def test_a_checkpoint_switch_replays_as_exactly_its_rows(tmp_path):
     _put(unit, [[i, {"a": _tensor(i)}] for i in range(4)], [1] * 4)
     unit.replace_rows({7: {"c": _tensor(70)}, 9: {"c": _tensor(90)}}, {7: 107, 9: 109}, 512)
     unit.write_log()
+    _loop_turn(unit)
     want = _state(unit)
     _close(unit)
     again = _unit(tmp_path)
@@ -118,13 +143,8 @@ def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(tmp_pat
     for rnd in range(40):  # put and drop: the files grow, the live rows do not
         _put(unit, [[i, {"a": _tensor(rnd + i, 256)}] for i in range(8)], [rnd + 1] * 8)
         if rnd < 39:
-            unit.server.handlers["DROP_ROWS"][0]({"indexes": list(range(8)),
-                                               "gens": [rnd + 1] * 8}, None)
-    for _ in range(200):
-        if not unit.rowlog._compacting:
-            break
-        threading.Event().wait(0.02)
-    assert unit.rowlog.compactions >= 1
+            _drop(unit, list(range(8)), [rnd + 1] * 8)
+    _settle(unit, lambda: unit.rowlog.compactions >= 1 and not unit.rowlog._compacting)
     files = os.listdir(tmp_path / "log")
     disk = sum(os.path.getsize(tmp_path / "log" / f) for f in files)
     assert disk <= 1.25 * unit.bytes_held + rl.COMPACT_SLACK + unit.rowlog.segment_bytes
@@ -142,11 +162,8 @@ def test_clearing_everything_shrinks_the_directory_to_almost_nothing(tmp_path, m
     monkeypatch.setattr(rl, "COMPACT_SLACK", 16 << 10)
     unit = _unit(tmp_path)
     _put(unit, [[i, {"a": _tensor(i, 1024)}] for i in range(64)], [1] * 64)
-    unit.server.handlers["DROP_ROWS"][0]({"indexes": list(range(64)), "gens": [1] * 64}, None)
-    for _ in range(200):
-        if unit.rowlog.compactions and not unit.rowlog._compacting:
-            break
-        threading.Event().wait(0.02)
+    _drop(unit, list(range(64)), [1] * 64)
+    _settle(unit, lambda: unit.rowlog.compactions >= 1 and not unit.rowlog._compacting)
     disk = sum(os.path.getsize(tmp_path / "log" / f) for f in os.listdir(tmp_path / "log"))
     assert disk < 16 << 10
     _close(unit)
@@ -220,8 +237,9 @@ def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
     unit.rowlog.flush()
     durable = _state(unit)
     _put(unit, [[i, {"a": _tensor(100 + i)}] for i in range(3, 9)], [1] * 6)  # not fsynced
-    unit.server.handlers["DROP_ROWS"][0]({"indexes": [0], "gens": [1]}, None)
+    _drop(unit, [0], [1])
     assert _state(unit) != durable
+    _settle(unit, lambda: not unit.rowlog._queue)  # written, not fsynced
     # the power goes: the process never closes its log
     unit.server.stop()
     unit.pool.shutdown(wait=True)

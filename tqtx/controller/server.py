@@ -211,7 +211,7 @@ class Controller:
                   f"in {replayed.get('dir')}; {dropped} dropped (no committed put names "
                   f"them), {lost} rows of committed keys missing (named lost), "
                   f"{len(replayed.get('torn') or ())} torn file ends cut off")
-        self.journal.record_recovery(incarnation_id=self.incarnation, kind="unit-log",
+        self.journal.record_recovery(incarnation_id=self.incarnation, kind="buffer",
                                      target=f"unit {uid}", action=st.REPLAYED,
                                      detail=detail[:2000])
         log.warning("unit %d: %s", uid, detail)

@@ -16,7 +16,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from .. import states as st
 from ..publish import dump_lock, recover_publications
 from ..errors import DumpFormatError
-from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD
+from ..durability import LOGGED
+from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, ROW_LOG_UNITS, MetaChange
 from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import find_dump_journal
 from ..plan import RestorePlan
@@ -36,6 +37,7 @@ def replay(ctl) -> list[dict]:
         # lost with that process, gets the recorded reply (wire.rpc's reply cache)
         ctl.server.remember_reply(rid, codec.unpackb(reply))
     markers = snap.get("markers") or {}
+    _check_row_log_units(ctl, markers, snap)
     if markers.get(CHECKPOINT_LOAD):
         ctl.kv.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))
     keys = sum(len(p["rows"]) for p in snap["partitions"].values())
@@ -54,6 +56,24 @@ def replay(ctl) -> list[dict]:
         log.warning("startup recovery: %s %s: %s %s", event.get("kind"), event.get("target"),
                     event.get("action"), event.get("detail", ""))
     return actions
+
+
+def _check_row_log_units(ctl, markers: dict, snap: dict) -> None:
+    """Refuse a unit count other than the one whose row logs hold the journaled buffer
+    (every row is at its index's unit, ``index % units``: other units would report rows the
+    metadata places elsewhere, and drop them); record this start's count when it logs."""
+    logged = markers.get(ROW_LOG_UNITS)
+    keys = any(p["rows"] for p in snap["partitions"].values())
+    if logged is not None and keys and int(logged) != ctl.num_units:
+        raise RuntimeError(
+            f"{ctl.state_dir}: the buffer of this state dir was kept by {logged} units in "
+            f"their row logs (durability buffer or sync); start with num_units={logged} to "
+            f"recover it. To move it to {ctl.num_units} units, recover it with {logged}, "
+            f"dump_data_by_key every key, close, start with {ctl.num_units} and "
+            f"load_data_by_key the dump")
+    want = str(ctl.num_units) if ctl.metajournal.durability in LOGGED else None
+    if logged != want:
+        ctl.metajournal.write(MetaChange(markers={ROW_LOG_UNITS: want}))
 
 
 def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: int,

@@ -56,6 +56,7 @@ _SET_MARKER = ("INSERT INTO meta_markers (name, value) VALUES (?, ?) "
 _NEXT_INDEX = "next_index"
 CHECKPOINT_LOAD = "checkpoint_load"  # marker: a load_checkpoint decided, units switching
 CHECKPOINT_GEN_BASE = "checkpoint_gen_base"  # marker: that load's rows' generation base
+ROW_LOG_UNITS = "row_log_units"  # marker: the units logged their rows; how many there were
 # Replies of mutating requests kept in meta_requests: a resent copy comes within the
 # client's reconnect timeout, so the newest few thousand are plenty.
 REQUESTS_KEPT = 4096
@@ -103,8 +104,10 @@ def apply_change(executemany: Callable[[str, Iterable], object], change: MetaCha
     """Run the statements of ``change`` through ``executemany(sql, params)`` (inside the
     caller's transaction: the controller's own one, or a restore's finish)."""
     if change.replace:
-        for table in ("meta_keys", "meta_schemas", "meta_counters", "meta_markers"):
+        for table in ("meta_keys", "meta_schemas", "meta_counters"):
             executemany(f"DELETE FROM {table}", [()])
+        # the deployment's row log unit count outlives a replaced buffer
+        executemany("DELETE FROM meta_markers WHERE name != ?", [(ROW_LOG_UNITS,)])
     if change.deleted:
         executemany(_DELETE_KEY, change.deleted)
     if change.dropped:

@@ -23,14 +23,16 @@ which is logged: the controller then names the rows it misses lost when the unit
 The (index, generation) pair names the key incarnation: the controller reconciles by it and
 drops rows no committed put accounts for.
 
-Writes happen on the unit's request loop, at the end of every request that changed rows, so
-the file order is the order of the changes. A flusher thread fsyncs: every
-``flush_interval_s`` (``buffer``), or as soon as a request waits for it (``sync``: the reply of
-a request that wrote is sent after the next fsync, which covers every write made before it
-began, so concurrent puts share one fsync). When the files hold more than 1.25x the live
-bytes (and 16 MiB more), the loop opens a new segment and snapshots the rows (two dict copies:
-stored rows are never changed in place); a background thread writes the snapshot as the new
-base, fsyncs and renames it, then removes the files it replaces.
+The request loop only queues what a request changed (rows are never changed in place once
+stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
+order: every ``flush_interval_s`` (``buffer``), or as soon as a request waits for it
+(``sync``: the reply of a request that stored rows is sent after the fsync that covers
+them; requests queued meanwhile share it). When the files hold more than 1.25x the live
+bytes (and 16 MiB more), the loop snapshots the rows (two dict copies) where the queue
+stands, the writer opens a new segment there, and a compaction thread writes the snapshot
+as that segment's base, fsyncs and renames it, then removes the files it replaces. A write
+that fails (a full disk) is cut off its file and retried every interval; meanwhile new rows
+are refused.
 """
 from __future__ import annotations
 
@@ -61,6 +63,15 @@ COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
 _NAME = re.compile(r"^(seg|base)-(\d{8})\.(log|tmp)$")
 
 
+class _Rotate:
+    """A queue marker: open a new segment here; ``rows``/``gens`` are its base."""
+
+    __slots__ = ("rows", "gens")
+
+    def __init__(self, rows: dict, gens: dict):
+        self.rows, self.gens = rows, gens
+
+
 class RowLog:
     """The row log of one unit in ``directory``.
 
@@ -80,24 +91,23 @@ class RowLog:
             self._lock_file.acquire(timeout=0)
         except filelock.Timeout:
             raise RuntimeError(f"{self.dir}: another unit process holds this row log") from None
-        self._encoder = RecordEncoder()
-        self._pending: list = []      # buffers of entries not yet written (loop only)
-        self._fd = -1                 # the open segment (loop writes, flusher fsyncs)
-        self._number = 0              # its number
-        self._size = 0                # its bytes written
-        self._sealed: list[int] = []  # fds of sealed segments not yet fsynced
-        self._disk = 0                # bytes in every file of the log
-        self._written = 0             # entries' bytes written so far; the flusher syncs up to
-        self._synced = 0
-        self._dir_dirty = False
-        self._compacting = False
-        self._waiters: list = []      # (Deferred, reply) for the next fsync (sync)
+        self._encoder = RecordEncoder()  # the writer's
+        self._batch: list = []        # this request's changes (loop only)
+        self._queue: list = []        # batches, waiters and rotations for the writer
         self._cond = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._call_soon: Callable = lambda fn: fn()
+        # the writer's: the open segment, its number and size, sealed segments' fds not
+        # yet fsynced, the log's bytes on disk
+        self._fd, self._number, self._size = -1, 0, 0
+        self._sealed: list[int] = []
+        self._disk = 0
+        self._failed_at = -COMPACT_SLACK  # the size of the files at the last failed compaction
+        self._unsynced = self._dir_dirty = self._compacting = False
         self.fsyncs = 0
         self.compactions = 0
-        self.error: BaseException | None = None  # the last failed fsync
+        self.error: BaseException | None = None  # the last failed write or fsync
 
     # ---------------------------------------------------------------- replay
     def replay(self, store: Callable[[int, int, dict], object],
@@ -172,37 +182,149 @@ class RowLog:
             pos = end
         return entries, pos
 
-    # ---------------------------------------------------------------- appending (loop)
+    # ---------------------------------------------------------------- queueing (loop)
     def row(self, idx: int, gen: int, values: dict) -> None:
-        """Log ``values`` stored at ``idx`` as generation ``gen`` (written by :meth:`write`)."""
-        head, large, length = encode_record_parts(idx, values, self._encoder, gen=gen,
-                                                  partition_id="", key="")
-        crc = checksum(head)
-        for buf in large:
-            crc = checksum(buf, crc)
-        self._pending += (_ENTRY.pack(_MAGIC, ROW, idx, gen, length, crc), head, *large)
+        """Log ``values`` stored at ``idx`` as generation ``gen`` (queued by :meth:`write`)."""
+        self._batch.append((ROW, idx, gen, values))
 
     def drop(self, indexes: list[int], gens: list[int]) -> None:
         """Log that the rows at ``indexes`` of generations ``gens`` were dropped."""
-        body = codec.packb([list(indexes), list(gens)])
-        self._pending += (_ENTRY.pack(_MAGIC, DROP, 0, 0, len(body), checksum(body)), body)
+        self._batch.append((DROP, list(indexes), list(gens)))
 
     def reset(self) -> None:
         """Log that every row went (a checkpoint replaced them; its rows follow)."""
-        self._pending.append(_ENTRY.pack(_MAGIC, RESET, 0, 0, 0, checksum(b"")))
+        self._batch.append((RESET,))
 
     @property
     def dirty(self) -> bool:
-        """Entries not yet written."""
-        return bool(self._pending)
+        """Changes not yet queued for the writer."""
+        return bool(self._batch)
 
     def write(self) -> None:
-        """Write the pending entries to the open segment (loop thread). A failed write is
-        cut off the file (the segment stays a sequence of whole entries) and raised."""
-        bufs, self._pending = self._pending, []
-        if not bufs:
-            return
-        n = sum(len(b) if type(b) is bytes else memoryview(b).nbytes for b in bufs)
+        """Hand the changes of this request to the writer thread, in order (loop thread).
+        Rows are never changed in place once stored, so the writer encodes them later."""
+        batch, self._batch = self._batch, []
+        if batch:
+            with self._cond:
+                self._queue.append(batch)
+                self._cond.notify()
+
+    def refuse_if_failing(self) -> None:
+        """OSError while the log cannot be written (a full disk): a put is refused before
+        it stores anything, rather than acknowledged with rows no file holds."""
+        if self.error is not None:
+            raise OSError(getattr(self.error, "errno", None) or 5,
+                          f"row log {self.dir} cannot be written ({self.error}); rows are "
+                          f"refused until it can")
+
+    def when_durable(self, deferred, reply) -> None:
+        """Send ``reply`` through ``deferred`` once every change queued so far is fsynced."""
+        with self._cond:
+            self._queue.append((deferred, reply))
+            self._cond.notify()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Block until every change made so far is written and fsynced."""
+        done, errors = threading.Event(), []
+
+        class _Wait:
+            def reply(self, result=None, error=None):
+                errors.append(error)
+                done.set()
+
+        self.write()
+        self.when_durable(_Wait(), None)
+        if not done.wait(timeout):
+            raise TimeoutError(f"row log {self.dir}: not flushed within {timeout}s")
+        if errors[0] is not None:
+            raise errors[0]
+
+    def _start_compaction(self) -> None:
+        """Loop thread: snapshot the rows where the queue stands; the writer opens a new
+        segment there and a compaction thread writes the snapshot as its base."""
+        rows, gens = self.snapshot()
+        with self._cond:
+            self._queue.append(_Rotate(rows, gens))
+            self._cond.notify()
+
+    # ---------------------------------------------------------------- the writer thread
+    def start(self, call_soon: Callable[[Callable[[], None]], None]) -> "RowLog":
+        """Start the writer; ``call_soon(fn)`` runs ``fn`` on the request loop."""
+        self._call_soon = call_soon
+        self._thread = threading.Thread(target=self._writer, name="tqtx-rowlog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _writer(self) -> None:
+        if not self.sync:
+            _lower_priority()
+        last_sync = time.monotonic()
+        while True:
+            with self._cond:
+                if not self._queue and not self._stopped:
+                    self._cond.wait(max(0.0, last_sync + self.interval - time.monotonic()))
+                items, self._queue = self._queue, []
+                stopping = self._stopped
+            waiters = self._write_items(items)
+            due = time.monotonic() >= last_sync + self.interval
+            if waiters or due or stopping:
+                self._sync_and_reply(waiters)
+                last_sync = time.monotonic()
+            if stopping and not self._queue:
+                return
+
+    def _write_items(self, items: list) -> list:
+        """Write the queued batches (rotating at the markers); returns the waiters met.
+        A failed write is cut off its file and the items from it on are queued again to
+        be retried after the interval; its waiters get the error."""
+        waiters = []
+        for pos, item in enumerate(items):
+            if type(item) is tuple:
+                waiters.append(item)
+                continue
+            try:
+                if type(item) is _Rotate:
+                    self._rotate(item)
+                else:
+                    self._append(item)
+                self.error = None
+            except Exception as exc:  # noqa: BLE001 - kept, reported, retried
+                self.error = exc
+                log.error("row log %s: write failed: %r; retried every %gs", self.dir, exc,
+                          self.interval)
+                rest = items[pos:]
+                for other in rest:
+                    if type(other) is tuple:
+                        other[0].reply(error=self._durable_error(exc))
+                with self._cond:
+                    self._queue[:0] = [i for i in rest if type(i) is not tuple]
+                    self._cond.wait(self.interval)
+                break
+        return waiters
+
+    def _append(self, batch: list) -> None:
+        bufs: list = []
+        size = 0
+        encoder = self._encoder
+        for entry in batch:
+            kind = entry[0]
+            if kind == ROW:
+                _k, idx, gen, values = entry
+                head, large, length = encode_record_parts(idx, values, encoder, gen=gen,
+                                                          partition_id="", key="")
+                crc = checksum(head)
+                for buf in large:
+                    crc = checksum(buf, crc)
+                bufs += (_ENTRY.pack(_MAGIC, ROW, idx, gen, length, crc), head, *large)
+            elif kind == DROP:
+                body = codec.packb([entry[1], entry[2]])
+                length = len(body)
+                bufs += (_ENTRY.pack(_MAGIC, DROP, 0, 0, length, checksum(body)), body)
+            else:
+                length = 0
+                bufs.append(_ENTRY.pack(_MAGIC, RESET, 0, 0, 0, checksum(b"")))
+            size += _ENTRY.size + length
         faults.hit("unit.rowlog.before_append")
         try:
             fsutil.writev_all(self._fd, bufs)
@@ -210,25 +332,24 @@ class RowLog:
             os.ftruncate(self._fd, self._size)
             raise
         faults.hit("unit.rowlog.after_append")
-        self._size += n
+        self._size += size
         with self._cond:
-            self._disk += n
-        self._written += n
+            self._disk += size
+        self._unsynced = True
         if self._size >= self.segment_bytes:
             self._seal()
-        if not self._compacting and \
-                self._disk > 1.25 * self.live_bytes() + COMPACT_SLACK:
-            self._compact()
-        if not self.sync:
-            return
-        with self._cond:
-            self._cond.notify()
+        if not self._compacting:
+            self._compact_if_due()
 
-    def when_durable(self, deferred, reply) -> None:
-        """Send ``reply`` through ``deferred`` once what was written so far is fsynced."""
-        with self._cond:
-            self._waiters.append((deferred, reply))
-            self._cond.notify()
+    def _compact_if_due(self) -> bool:
+        """Ask the loop for a compaction if the files hold too much more than the live
+        rows (writer thread, or the compaction thread as it ends)."""
+        if self._disk <= max(1.25 * self.live_bytes() + COMPACT_SLACK,
+                             self._failed_at + COMPACT_SLACK):
+            return False
+        self._compacting = True
+        self._call_soon(self._start_compaction)
+        return True
 
     def _open_segment(self) -> None:
         self._number += 1
@@ -238,22 +359,47 @@ class RowLog:
         self._dir_dirty = True
 
     def _seal(self) -> None:
-        """Close the open segment for appends (the flusher fsyncs and closes it) and open
-        the next."""
-        with self._cond:
-            self._sealed.append(self._fd)
-            self._open_segment()
+        """Keep the open segment for its fsync and open the next."""
+        self._sealed.append(self._fd)
+        self._open_segment()
         faults.hit("unit.rowlog.after_seal")
 
+    def _sync_and_reply(self, waiters: list) -> None:
+        """fsync what was written (sealed segments, the open one, the directory), then
+        send the waiters' replies (an fsync error is their error)."""
+        error = None
+        try:
+            for fd in self._sealed:
+                os.fsync(fd)
+            if self._unsynced or self._sealed:
+                faults.hit("unit.rowlog.before_fsync")
+                os.fsync(self._fd)
+                self.fsyncs += 1
+            for fd in self._sealed:
+                os.close(fd)
+            self._sealed, self._unsynced = [], False
+            if self._dir_dirty:
+                fsutil.fsync_dir(self.dir)
+                self._dir_dirty = False
+        except Exception as exc:  # noqa: BLE001 - the waiters get it; the writer goes on
+            error = self.error = exc
+            log.error("row log %s: fsync failed: %r", self.dir, exc)
+        for deferred, reply in waiters:
+            if error is None:
+                deferred.reply(reply)
+            else:
+                deferred.reply(error=self._durable_error(error))
+
+    def _durable_error(self, exc: BaseException) -> OSError:
+        return OSError(getattr(exc, "errno", None) or 5, f"row log {self.dir}: the rows were "
+                       f"stored but could not be made durable: {exc}")
+
     # ---------------------------------------------------------------- compaction
-    def _compact(self) -> None:
-        """Seal, snapshot the rows, and write them as the base of the new segment in a
-        background thread."""
+    def _rotate(self, rotate: "_Rotate") -> None:
+        """Open a new segment where the snapshot was taken; write its base in a thread."""
         self._seal()
-        number = self._number
-        rows, gens = self.snapshot()
-        self._compacting = True
-        threading.Thread(target=self._write_base, args=(number, rows, gens),
+        threading.Thread(target=self._write_base, args=(self._number, rotate.rows,
+                                                        rotate.gens),
                          name="tqtx-rowlog-compact", daemon=True).start()
 
     def _write_base(self, number: int, rows: dict, gens: dict) -> None:
@@ -298,88 +444,38 @@ class RowLog:
         except BaseException as exc:  # the log stays as it was: replay does not need a base
             log.error("row log %s: compaction failed: %r", self.dir, exc)
             self._remove(tmp)
-        finally:
+            self._failed_at = self._disk  # not again before the files grew further
             self._compacting = False
-
-    # ---------------------------------------------------------------- flushing (thread)
-    def start(self) -> "RowLog":
-        self._thread = threading.Thread(target=self._flusher, name="tqtx-rowlog-flush",
-                                        daemon=True)
-        self._thread.start()
-        return self
-
-    def _flusher(self) -> None:
-        while True:
-            with self._cond:
-                if not self._stopped and not self._waiters:
-                    self._cond.wait(self.interval)
-                if self._stopped and not self._waiters:
-                    return
-                waiters, self._waiters = self._waiters, []
-            self.flush(waiters)
-
-    def flush(self, waiters=()) -> None:
-        """fsync everything written before this call began; then send ``waiters``' replies
-        (an fsync error is their error)."""
-        error = None
-        try:
-            self._sync()
-        except Exception as exc:  # noqa: BLE001 - the waiters get it; the flusher goes on
-            error = self.error = exc
-            log.error("row log %s: fsync failed: %r", self.dir, exc)
-        for deferred, reply in waiters:
-            if error is None:
-                deferred.reply(reply)
-            else:
-                deferred.reply(error=OSError(getattr(error, "errno", None) or 5,
-                                             f"row log {self.dir}: the rows were stored but "
-                                             f"could not be made durable: {error}"))
-
-    def _sync(self) -> None:
-        written = self._written
-        with self._cond:
-            sealed, self._sealed = self._sealed, []
-            fd, dir_dirty = self._fd, self._dir_dirty
-            self._dir_dirty = False
-        for s in sealed:
-            os.fsync(s)
-            os.close(s)
-        if written != self._synced or sealed:
-            faults.hit("unit.rowlog.before_fsync")
-            os.fsync(fd)
-            self.fsyncs += 1
-            self._synced = written
-        if dir_dirty:
-            fsutil.fsync_dir(self.dir)
+            return
+        # what was written meanwhile may already call for the next one
+        self._compacting = self._compact_if_due()
 
     # ---------------------------------------------------------------- end
     def close(self, *, remove: bool = False) -> None:
-        """Stop the flusher after a last fsync; with ``remove`` delete every file of the
-        log (a clean close that keeps no buffer)."""
+        """Write and fsync what is queued, stop the writer; with ``remove`` delete every
+        file of the log (a clean close that keeps no buffer)."""
+        self.write()
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if self._thread is not None:
-            self._thread.join(timeout=30)
-        try:
-            self.write()
-            self.flush()
-        finally:
-            for fd in [*self._sealed, self._fd]:
-                if fd >= 0:
-                    os.close(fd)
-            self._sealed, self._fd = [], -1
-            if remove:
-                for kind, n in self._files():
-                    self._remove(self._path(kind, n))
-                    self._remove(self._path(kind, n, tmp=True))
-            self._lock_file.release()
-            if remove:
-                self._remove(os.path.join(self.dir, "lock"))
-                try:
-                    os.rmdir(self.dir)
-                except OSError:
-                    pass  # something else is in there: not ours to remove
+            self._thread.join(timeout=60)
+        else:
+            self._sync_and_reply(self._write_items(self._queue))
+        for fd in [*self._sealed, self._fd]:
+            if fd >= 0:
+                os.close(fd)
+        self._sealed, self._fd = [], -1
+        if remove:
+            for kind, n in self._files():
+                self._remove(self._path(kind, n))
+        self._lock_file.release()
+        if remove:
+            self._remove(os.path.join(self.dir, "lock"))
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass  # something else is in there: not ours to remove
 
     # ---------------------------------------------------------------- files
     def _path(self, kind: str, number: int, *, tmp: bool = False) -> str:
@@ -404,6 +500,16 @@ class RowLog:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _lower_priority() -> None:
+    """Run this thread at a lower CPU priority (Linux: a nice value per thread). With
+    ``buffer`` a write only has to land within the interval, so the requests the unit (and
+    the other processes of the host) serve go first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _owned(value):

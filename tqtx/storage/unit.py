@@ -119,11 +119,14 @@ class StorageUnit:
                         snapshot=lambda: (dict(self.rows), dict(self.gens)))
         self.replayed = rowlog.replay(self.store_row, self._drop_row, self._emptied)
         self.replayed["dir"] = log_dir
+        if not (self.replayed["entries"] or self.replayed["torn"]):
+            self.replayed = None  # a new log: nothing to report
         self.bytes_held = sum(map(row_nbytes, self.rows.values()))
-        log.info("unit %d: replayed %d rows from its row log %s (%d entries, %d bytes, "
-                 "%.3fs)", self.unit_id, len(self.rows), log_dir, self.replayed["entries"],
-                 self.replayed["bytes"], self.replayed["seconds"])
-        self.rowlog = rowlog.start()
+        if self.replayed is not None:
+            log.info("unit %d: replayed %d rows from its row log %s (%d entries, %d bytes, "
+                     "%.3fs)", self.unit_id, len(self.rows), log_dir,
+                     self.replayed["entries"], self.replayed["bytes"], self.replayed["seconds"])
+        self.rowlog = rowlog.start(self.server.call_soon)
 
     def _register_handlers(self) -> None:
         s = self.server
@@ -145,7 +148,7 @@ class StorageUnit:
             ("PROBE_PATH", self.probe_path, False), ("SHUTDOWN", self.shutdown, True),
         ]:
             if self.rowlog is not None and op in LOGGED_OPS:
-                fn = self._logged(fn, wait=op in SYNCED_OPS)
+                fn = self._logged(fn, stores=op in SYNCED_OPS)
             s.add(op, fn, mutating=mutating)
         m = self.metrics
         m.declare(totals=UNIT_TOTALS)
@@ -153,18 +156,21 @@ class StorageUnit:
         m.gauge("bytes_held", lambda: self.bytes_held)
         m.gauge("open_restores", lambda: len(self.restore.staging))
 
-    def _logged(self, fn, *, wait: bool):
-        """``fn`` followed by writing what it logged; with ``sync`` and ``wait`` its reply
-        waits for the fsync of those writes."""
+    def _logged(self, fn, *, stores: bool):
+        """``fn`` followed by queueing what it logged. A request that ``stores`` rows is
+        refused while the log cannot be written, and with ``sync`` its reply waits for the
+        fsync of its rows."""
         rowlog, server = self.rowlog, self.server
-        wait = wait and rowlog.sync
+        sync = stores and rowlog.sync
 
         def handler(body, req):
+            if stores:
+                rowlog.refuse_if_failing()
             reply = fn(body, req)
             if not rowlog.dirty:
                 return reply
             rowlog.write()
-            if not wait or req is None or type(reply) is Deferred:
+            if not sync or req is None or type(reply) is Deferred:
                 return reply
             deferred = server.deferred(req, server.current_ident)
             rowlog.when_durable(deferred, reply)
