@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The cost of durable metadata (issue 15): durability "full" vs "normal" vs "off".
+"""The cost of durable metadata: durability "sync" vs "buffer" vs "controller" vs "memory".
 
     python benchmarks/durability.py [--units 4] [--reps 5] [--tiny 200] [--rows 5000]
                                     [--cols 13422] [--restart-keys 200000] [--restart-reps 3]
@@ -7,20 +7,20 @@
 
 One worker process per durability setting, each with its own deployment
 (``tq.init(config={"durability": ...})``) on its own fresh state dir under --dir (default:
-the temp dir, on disk, so "full" pays its fsyncs). Every repetition asks the workers in
+the temp dir, on disk, so "sync" pays its fsyncs). Every repetition asks the workers in
 turn, the order rotating per repetition, to run one op:
 
 * ``tiny kv_put``: --tiny ``kv_put`` calls of one key with one small tensor (median of
-  every call of every repetition). Target: < 2 ms at "full".
+  every call of every repetition). Target: < 2 ms at "sync".
 * ``5k-row kv_batch_put``: a --rows x --cols float32 field (default 5000 x 13422 =
-  256 MiB) into fresh keys; ``kv_clear`` of them is timed too. Target: full/off and
-  normal/off <= 1.10.
+  256 MiB) into fresh keys; ``kv_clear`` of them is timed too. Target: sync/memory,
+  buffer/memory and controller/memory <= 1.10.
 * ``restart``: --restart-keys small keys (batches of 10k, a tag each) put once (timed:
   metadata-bound puts; then a ``kv_list`` of them, median of 3), then per repetition
   ``restart_controller()`` (kill -9, start, replay, ready announcement) and the time until
   a ``kv_list`` returns every key, and until a ``kv_batch_get`` of a sample works (the
-  units re-registered). Target: < 5 s at "full". The journal's size
-  (``journal.sqlite`` + WAL) after the puts is reported. With "off" nothing is replayed.
+  units re-registered). Target: < 5 s at "sync". The journal's size
+  (``journal.sqlite`` + WAL) after the puts is reported. With "memory" nothing is replayed.
 
 --quick: small sizes, finishes in under a minute.
 """
@@ -38,7 +38,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import JsonWorker, MiB, error_reply, fs_type, median, serve  # noqa: E402
 
-SETTINGS = ("full", "normal", "off")
+SETTINGS = ("sync", "buffer", "controller", "memory")
+BASE = "memory"  # the ratios' denominator
+DURABLE = ("sync", "buffer", "controller")
 FILL_BATCH = 10_000
 _REPLAYED = re.compile(r"replayed (\d+) keys .* in ([0-9.]+)s")
 
@@ -115,7 +117,7 @@ class Bench:
             out["journal"] = _journal_bytes(self.state)
             self.filled = keys
             lists = []
-            for _ in range(3):  # with "off" the keys are gone after a restart: list them now
+            for _ in range(3):  # with "memory" the keys are gone after a restart: list them now
                 t0 = time.perf_counter()
                 tq.kv_list("replay")
                 lists.append(time.perf_counter() - t0)
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
     restart = {s: [] for s in SETTINGS}
     t_start = time.perf_counter()
     try:
-        for s in SETTINGS:  # start the three deployments in parallel
+        for s in SETTINGS:  # start the deployments in parallel
             workers[s] = _start_worker(s, a)
         for w in workers.values():
             w.read()
@@ -270,31 +272,29 @@ def _print_table(med, a, mib, journal, listed):
     print(f"\ntiny: median of {a.reps} x {a.tiny} calls; batch: {a.rows} x {a.cols} float32 "
           f"({mib:.0f} MiB), median of {a.reps}; restart: {a.restart_keys} keys, median of "
           f"{a.restart_reps}")
-    head = ["op", "full", "normal", "off", "full/off", "normal/off"]
+    head = ["op", *SETTINGS, *(f"{s}/{BASE}" for s in DURABLE)]
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
-    for op in med["full"]:
+    for op in med[SETTINGS[0]]:
         row = [op] + [_fmt(op, med[s][op]) for s in SETTINGS]
-        off = med["off"][op]
-        for s in ("full", "normal"):
-            row.append(f"{med[s][op] / off:.2f}" if off == off and off > 0 else "-")
+        base = med[BASE][op]
+        for s in DURABLE:
+            row.append(f"{med[s][op] / base:.2f}" if base == base and base > 0 else "-")
         print(" | ".join(row))
+    pad = [""] * len(DURABLE)
     row = [f"journal after the {a.restart_keys // 1000}k puts"]
     for s in SETTINGS:
         j = journal[s]
         row.append(f"{j.get('db', 0) / MiB:.1f} + {j.get('db-wal', 0) / MiB:.1f} MiB WAL")
-    print(" | ".join(row + ["", ""]))
+    print(" | ".join(row + pad))
     print(" | ".join(["keys listed after restart"] +
-                     [",".join(map(str, listed[s])) for s in SETTINGS] + ["", ""]))
-    targets = [
-        ("tiny kv_put at full < 2 ms", med["full"]["tiny kv_put"] < 2e-3),
-        ("batch put full/off <= 1.10", med["full"][f"{a.rows}-row kv_batch_put"]
-         <= 1.10 * med["off"][f"{a.rows}-row kv_batch_put"]),
-        ("batch put normal/off <= 1.10", med["normal"][f"{a.rows}-row kv_batch_put"]
-         <= 1.10 * med["off"][f"{a.rows}-row kv_batch_put"]),
-        (f"restart with {a.restart_keys} keys at full < 5 s (kv_list)",
-         med["full"]["restart: kv_list of all"] < 5.0),
-    ]
+                     [",".join(map(str, listed[s])) for s in SETTINGS] + pad))
+    batch = f"{a.rows}-row kv_batch_put"
+    targets = [("tiny kv_put at sync < 2 ms", med["sync"]["tiny kv_put"] < 2e-3)]
+    targets += [(f"batch put {s}/{BASE} <= 1.10", med[s][batch] <= 1.10 * med[BASE][batch])
+                for s in DURABLE]
+    targets.append((f"restart with {a.restart_keys} keys at sync < 5 s (kv_list)",
+                    med["sync"]["restart: kv_list of all"] < 5.0))
     what = "targets (--quick sizes: indicative only)" if a.quick else "targets"
     print(f"{what}: " + "; ".join(f"{t}: {'met' if ok else 'MISSED'}" for t, ok in targets))
 

@@ -62,6 +62,10 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
     ``placement: "ray"`` (with ``unit_node_resource``, ``ray_num_cpus``,
     ``ray_start_timeout``, ``ray_name``) runs the controller and units as Ray actors across
     the cluster; inside a Ray job that has one, a bare init attaches (docs/deployment.md).
+    ``durability`` (``"memory"``, ``"controller"`` (default), ``"buffer"``, ``"sync"``; or
+    $TQTX_DURABILITY), ``flush_interval_s`` (1.0; $TQTX_FLUSH_INTERVAL_S) and
+    ``unit_data_dir`` (``<state_dir>/units``; $TQTX_UNIT_DATA_DIR): what of the buffer
+    survives which crash (docs/reliability.md, *Durability*).
     Calling init again while initialized returns the current config.
     """
     check_call("init", locals())
@@ -70,8 +74,11 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
         raise TypeError("init() takes conf or config, not both")
     config = conf if conf is not None else config
     with _lock:
+        from .deploy.durable import normalise_config
         from .deploy.initconfig import resolve
-        given = resolve(config)  # checked also when it is not used (already initialized)
+        # checked also when it is not used (already initialized); an earlier durability
+        # value is mapped here, with its one DeprecationWarning
+        given = normalise_config(resolve(config))
         if _client is not None:
             return dict(_config)
         # TransferQueue's results by default; {"strict": True} opts into tqtx's checks
@@ -155,6 +162,12 @@ def _warm_dump_path() -> None:
 def _attach_recorded(rec: dict, cfg: dict, asked_units):
     """Attach to the live deployment described by owner record ``rec``."""
     from .deploy.owner import RecordedDeployment, record_curve
+    asked = cfg.get("durability")
+    if asked is not None and rec.get("durability") not in (None, asked):
+        import logging
+        logging.getLogger("tqtx.init").warning(
+            "attaching to the running deployment of %s with durability %r (config asked for "
+            "%r)", rec["state_dir"], rec.get("durability"), asked)
     if asked_units is not None and int(asked_units) != rec.get("num_units"):
         # TransferQueue ignores the config of every init() but the first one, too.
         import logging
@@ -174,15 +187,15 @@ def _attach_recorded(rec: dict, cfg: dict, asked_units):
 
 def _start_embedded(cfg: dict, state_dir: str, num_units: int):
     """Start this process's deployment of ``state_dir`` (its owner record included)."""
+    from .deploy import durable
     from .deploy.local import LocalDeployment
     env = dict(cfg.get("env") or {})
     if cfg.get("insecure"):
         env["TQTX_INSECURE"] = "1"
     if cfg.get("keys_dir"):
         env["TQTX_KEYS_DIR"] = os.path.abspath(cfg["keys_dir"])
-    if cfg.get("durability"):
-        from .journal.meta import check_durability
-        env["TQTX_DURABILITY"] = check_durability(cfg["durability"])
+    setting = durable.resolve(cfg)  # before anything starts: a refused value names its source
+    env.update(setting.env(state_dir))
     dep = LocalDeployment(num_units=num_units, state_dir=state_dir, host=cfg["host"],
                           port=int(cfg["port"]), env=env or None,
                           unit_env=cfg.get("unit_env"), metrics=cfg.get("metrics"))
@@ -201,13 +214,19 @@ def _start_embedded(cfg: dict, state_dir: str, num_units: int):
         "mode": "embedded", "address": dep.address, "num_units": num_units,
         "state_dir": dep.state_dir, "host": cfg["host"], "timeout": float(cfg["timeout"]),
         "units": client.unit_addresses, "incarnation": dep.incarnation,
-        "pids": dict(dep.pids), "metrics_port": dep.metrics_port, "owner_pid": os.getpid()}
+        "pids": dict(dep.pids), "metrics_port": dep.metrics_port, "owner_pid": os.getpid(),
+        **setting.record(dep.state_dir)}
 
 
-def close(*, cancel_dumps: bool = False) -> dict:
+def close(*, cancel_dumps: bool = False, keep_buffer: bool = False) -> dict:
     """Disconnect; shut the deployment down if this process started it.
 
-    Returns ``{"waited": [dump_ids], "cancelled": [dump_ids]}`` for background dumps.
+    The process that started the deployment ends its buffer: the controller discards the
+    journaled metadata (END_BUFFER), each unit is sent SHUTDOWN ``{"keep_buffer": false}``
+    (a unit deletes its row log: durability ``"buffer"`` / ``"sync"``), then the processes
+    stop. ``keep_buffer=True`` keeps both, so the next ``init`` on the state dir recovers
+    the buffer as after a crash. Returns ``{"waited": [dump_ids], "cancelled": [dump_ids]}``
+    for background dumps.
     """
     check_call("close", locals())
     global _client, _deployment, _config
@@ -217,52 +236,14 @@ def close(*, cancel_dumps: bool = False) -> dict:
             return report
         from .dump import save
         report = save.settle_background_dumps(cancel=cancel_dumps)
-        ended = False
         try:
             if _deployment is not None:
-                ended = _end_buffer(_client)
+                from .deploy.closing import close_deployment
+                close_deployment(_client, _deployment, keep_buffer=keep_buffer)
         finally:
-            try:
-                if _deployment is not None:
-                    adopted = ended and getattr(_deployment, "controller_replaced", bool)()
-                    _deployment.stop()
-                    if adopted:
-                        _stop_adopted_controller(_client, _deployment)
-            finally:
-                _client.close()
-                _client = _deployment = _config = None
+            _client.close()
+            _client = _deployment = _config = None
         return report
-
-
-def _end_buffer(client) -> bool:
-    """The process that started the deployment closes it: the buffer ends with its units, so
-    the controller discards the journaled metadata (a crash keeps it, see docs/journal.md).
-    Whether the controller did."""
-    try:
-        client.controller.call("END_BUFFER", timeout=10)
-        return True
-    except Exception as exc:  # noqa: BLE001 - closing must not fail on a dead controller
-        import logging
-        logging.getLogger("tqtx.init").warning("close: the controller did not discard the "
-                                               "buffer's metadata: %s", exc)
-        return False
-
-
-def _stop_adopted_controller(client, deployment) -> None:
-    """The controller this process started exited and another one, restarted by hand on the
-    deployment's state dir and port, took its place and ended the buffer: stop it as close
-    stops its own (after the units), so the state dir is free for the next ``init``."""
-    import logging
-    log = logging.getLogger("tqtx.init")
-    try:
-        client.controller.call("SHUTDOWN", timeout=10)
-    except Exception as exc:  # noqa: BLE001 - it may have gone by itself meanwhile
-        log.warning("close: the controller at %s that replaced this deployment's did not "
-                    "take SHUTDOWN: %s", client.address, exc)
-        return
-    if not deployment.wait_state_dir_free(timeout=10):
-        log.warning("close: the controller at %s still holds %s/controller.lock 10 s after "
-                    "SHUTDOWN", client.address, deployment.state_dir)
 
 
 def get_metrics_endpoint() -> str | None:

@@ -13,6 +13,7 @@ react. Payload still travels over ZeroMQ (tcp on 127.0.0.1) exactly as in produc
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -25,25 +26,39 @@ __all__ = ["InProcessDeployment"]
 
 
 class InProcessDeployment:
-    """A controller and ``num_units`` storage units serving from threads of this process."""
+    """A controller and ``num_units`` storage units serving from threads of this process.
+
+    ``durability``, ``flush_interval_s`` and ``unit_data_dir``: the deployment's durability
+    setting (:mod:`tqtx.deploy.durable`; default: this process's ``TQTX_*`` variables, else
+    ``"controller"``), given to the controller directly and to the units through the
+    environment they are made in (:attr:`durability`)."""
 
     def __init__(self, num_units: int = 2, state_dir: str | os.PathLike = "", *,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, durability: str | None = None,
+                 flush_interval_s: float | None = None,
+                 unit_data_dir: str | os.PathLike | None = None):
+        from .deploy.durable import resolve as resolve_durability
         if not state_dir:
             raise ValueError("state_dir is required")
         self.num_units = num_units
         self.state_dir = os.path.abspath(os.fspath(state_dir))
         self.timeout = timeout
+        self.durability = resolve_durability({"durability": durability,
+                                              "flush_interval_s": flush_interval_s,
+                                              "unit_data_dir": unit_data_dir})
         self.threads: list[threading.Thread] = []
         self.units: list[StorageUnit] = []
         self.stopped = False
         self._saved_api = None
-        self.controller = Controller(num_units=num_units, state_dir=self.state_dir)
+        self.controller = Controller(num_units=num_units, state_dir=self.state_dir,
+                                     durability=self.durability.durability,
+                                     flush_interval_s=self.durability.flush_interval_s)
         self.address = self.controller.address
         self._serve(self.controller.serve_forever, "controller")
         try:
             for uid in range(num_units):
-                unit = StorageUnit(uid, self.address)
+                with self._unit_environment():
+                    unit = StorageUnit(uid, self.address)
                 self.units.append(unit)
                 self._serve(unit.serve_forever, f"unit-{uid}")
                 unit.attach.register(timeout=timeout)
@@ -51,6 +66,22 @@ class InProcessDeployment:
         except BaseException:
             self.stop()
             raise
+
+    @contextlib.contextmanager
+    def _unit_environment(self):
+        """This deployment's ``TQTX_DURABILITY`` ... in ``os.environ`` while a unit is made
+        (a unit reads its setting from the environment as it starts)."""
+        wanted = self.durability.env(self.state_dir)
+        saved = {k: os.environ.get(k) for k in wanted}
+        os.environ.update(wanted)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def _serve(self, fn, name: str) -> None:
         t = threading.Thread(target=fn, name=f"tqtx-inproc-{name}", daemon=True)
@@ -83,8 +114,9 @@ class InProcessDeployment:
         return [self.client.unit(u).call("STATS") for u in range(self.num_units)]
 
     # ------------------------------------------------------------------ lifecycle
-    def stop(self, timeout: float = 10.0) -> None:
-        """SHUTDOWN every unit, then the controller; wait for their threads."""
+    def stop(self, timeout: float = 10.0, *, keep_buffer: bool = False) -> None:
+        """SHUTDOWN every unit (``{"keep_buffer": keep_buffer}``: whether it keeps its row
+        log), then the controller; wait for their threads."""
         if self.stopped:
             return
         self.stopped = True
@@ -93,16 +125,16 @@ class InProcessDeployment:
         if client is not None:
             client.close()
         for unit in self.units:
-            self._shutdown(unit.address, f"unit {unit.unit_id}")
+            self._shutdown(unit.address, f"unit {unit.unit_id}", {"keep_buffer": keep_buffer})
         self._shutdown(self.address, "controller")
         for t in self.threads:
             t.join(timeout)
 
     @staticmethod
-    def _shutdown(address: str, name: str) -> None:
+    def _shutdown(address: str, name: str, body: dict | None = None) -> None:
         peer = Peer(address, name, timeout=5.0)
         try:
-            peer.call("SHUTDOWN", {}, timeout=5.0)
+            peer.call("SHUTDOWN", body or {}, timeout=5.0)
         except Exception:  # already gone: nothing to stop
             pass
         finally:

@@ -122,7 +122,7 @@ def baselines(root: Path) -> dict:
         "init": {"conf": (None, optional(lambda v: isinstance(v, Mapping))),
                  "address": (None, optional(never)),
                  "config": (None, optional(lambda v: isinstance(v, Mapping)))},
-        "close": {"cancel_dumps": (False, is_bool)},
+        "close": {"cancel_dumps": (False, is_bool), "keep_buffer": (False, is_bool)},
         "kv_put": {"key": ("new", name_ok), "partition_id": (PUT_P, partition_ok),
                    "fields": ({"x": torch.ones(3)}, optional(one_sample_fields_ok)),
                    "tag": ({"t": 1}, optional(lambda v: isinstance(v, Mapping))),

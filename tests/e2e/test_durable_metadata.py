@@ -431,31 +431,31 @@ def test_background_dump_across_a_controller_restart_is_not_published(tq_start, 
 
 
 # --------------------------------------------------------------------------- 5. durability
-def test_durability_off_forgets_keys_at_a_controller_restart(tq_start):
-    tq_start(2, durability="off")
+def test_durability_memory_forgets_keys_at_a_controller_restart(tq_start):
+    tq_start(2, durability="memory")
     keys = [f"k{i}" for i in range(10)]
     tq.kv_batch_put(keys, PID, _batch(keys))
     st = _stats()
-    assert st["controller"]["durability"] == "off"
+    assert st["controller"]["durability"] == "memory"
     assert sum(u["rows"] for u in st["units"]) == len(keys)
     _restart_controller()
     assert tq.kv_list(PID).get(PID, {}) == {}
-    assert _stats()["controller"]["durability"] == "off"
+    assert _stats()["controller"]["durability"] == "memory"
     # the units drop the rows the new controller does not know
     _wait(lambda: sum(u["rows"] for u in _stats()["units"]) == 0, "the orphan rows to drop",
           30, 0.2)
 
 
-@pytest.mark.parametrize("durability", ["normal", "full", None])
-def test_durability_normal_and_full_keep_keys(tq_start, durability):
+@pytest.mark.parametrize("durability", ["controller", "buffer", "sync", None])
+def test_durability_controller_buffer_and_sync_keep_keys(tq_start, durability):
     cfg = {"durability": durability} if durability else {}
     tq_start(2, **cfg)
     keys = [f"k{i}" for i in range(10)]
     tq.kv_batch_put(keys, PID, _batch(keys, 40), tags=[{"i": i} for i in range(len(keys))])
     ref = _values(keys)
-    assert _stats()["controller"]["durability"] == (durability or "full")
+    assert _stats()["controller"]["durability"] == (durability or "controller")
     _restart_controller()
-    assert _stats()["controller"]["durability"] == (durability or "full")
+    assert _stats()["controller"]["durability"] == (durability or "controller")
     assert tq.kv_list(PID)[PID] == {k: {"i": i} for i, k in enumerate(keys)}
     assert _values(keys) == ref
     assert _stats()["controller"]["lost_rows"] == 0

@@ -230,7 +230,7 @@ def test_generations_are_never_given_twice_across_controller_restarts(tq_start, 
     state = str(tmp_path / "state")
     seen = set()
     for _ in range(2):
-        tq_start(num_units=1, state_dir=state, durability="normal")
+        tq_start(num_units=1, state_dir=state, durability="controller")
         client = tq.get_client()._client  # the internal client (get_client is the data plane)
         for i in range(3):
             alloc = client.controller.call("ALLOC", {"partition_id": P, "keys": [f"k{i}"],

@@ -102,6 +102,21 @@ def controller_status(state_dir: Path, incarnations: list[dict]) -> dict:
     return out
 
 
+DEPLOYMENT_KEYS = ("durability", "flush_interval_s", "unit_data_dir", "num_units", "address",
+                   "owner_pid", "hostname", "created")
+
+
+def deployment_record(state_dir: Path) -> dict | None:
+    """What the state dir's owner record (``deployment.json``) says its deployment runs or
+    ran with, or None without one. The creator removes it at a clean close, so a record
+    whose controller no longer runs is that of a deployment that did not close cleanly."""
+    from ..deploy.owner import read_record
+    rec = read_record(str(state_dir))
+    if rec is None:
+        return None
+    return {k: rec.get(k) for k in DEPLOYMENT_KEYS}
+
+
 def _reader(cls, target: Path, path: Path | None):
     """The journal opened read-only: a reader never waits for the writer's lock (a live
     controller mid-write). One at an older revision is upgraded first, as before."""
@@ -149,6 +164,9 @@ def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
         for d in dirs:
             report["publications"].extend(_ro_publications(d, limit, unreadable))
         report["controller"] = controller_status(target, report["incarnations"][:1])
+        deployment = deployment_record(target)
+        if deployment is not None:
+            report["deployment"] = deployment
         if unreadable:
             report["unreadable"] = unreadable
         return report
@@ -287,6 +305,7 @@ def show(dump_dir, state_dir, as_json, restore_id, state, limit, layout) -> None
     else:
         print_report(report, layout)
         _echo_controller(report.get("controller"))
+        _echo_deployment(report.get("deployment"), report.get("controller"))
     for bad in report.get("unreadable", []):
         click.echo(f"error: cannot read the dump journal {bad['journal']}: {bad['error']}",
                    err=True)
@@ -305,6 +324,24 @@ def _echo_controller(status: dict | None) -> None:
                f"{status.get('host')} at {status.get('address')})")
     if status["running"] is False and not status.get("ended_at"):
         click.echo("  note:        did not end cleanly; the next controller replays the journal")
+
+
+def _echo_deployment(rec: dict | None, status: dict | None) -> None:
+    """The ``deployment`` block of ``journal show``: the setting from ``deployment.json``."""
+    if rec is None:
+        return
+    running = (status or {}).get("running")
+    click.echo("\ndeployment (deployment.json)")
+    click.echo(f"  durability:     {rec.get('durability') or 'not recorded'}"
+               + (f" (flush every {rec['flush_interval_s']:g} s)"
+                  if rec.get("durability") == "buffer" and rec.get("flush_interval_s") else ""))
+    if rec.get("unit_data_dir"):
+        click.echo(f"  unit data dir:  {rec['unit_data_dir']}")
+    click.echo(f"  created by:     pid {rec.get('owner_pid')} on {rec.get('hostname')} "
+               f"({rec.get('num_units')} units at {rec.get('address')})")
+    if running is False:
+        click.echo("  note:           its creator did not close it (a clean close removes "
+                   "this record)")
 
 
 def _echo_actions(actions: list[dict], as_json: bool, extra: dict) -> None:

@@ -16,6 +16,7 @@ import difflib
 import logging
 from collections.abc import Mapping
 
+from .. import durability as dur
 from ..validate import (Address, Choice, Flag, Kind, Number, PathArg, Refused, Text, shown)
 
 log = logging.getLogger("tqtx.init")
@@ -89,7 +90,10 @@ KEY_KINDS: dict[str, Kind] = {
     "insecure": Flag(),
     "metrics": Metrics(),
     "compat": Choice("tqtx", "transferqueue"),
-    "durability": Choice("full", "normal", "off"),
+    # the values of earlier releases are accepted and mapped by tqtx.deploy.durable
+    "durability": Choice(*dur.DURABILITY, also=tuple(dur.DEPRECATED)),
+    "flush_interval_s": Number("a number of seconds above 0", above=0),
+    "unit_data_dir": PathArg(),
     "warm_dump": Flag(),
     "placement": Choice("local", "ray"),
     "unit_node_resource": Text("a non-blank str (a Ray resource name)"),
@@ -112,7 +116,8 @@ def check_keys(config: dict, origin: dict | None = None) -> None:
 # Every top-level key tqtx itself reads (see tqtx.api.init).
 TQTX_KEYS = {"num_units", "state_dir", "host", "port", "timeout", "address", "unit_env", "env",
              "server_key", "keys_dir", "client_key", "insecure", "metrics", "compat",
-             "strict", "durability", "warm_dump", "polling_mode",
+             "strict", "durability", "flush_interval_s", "unit_data_dir", "warm_dump",
+             "polling_mode",
              # Ray placement (tqtx.placement.ray_cluster, docs/deployment.md)
              "placement", "unit_node_resource", "ray_num_cpus", "ray_start_timeout", "ray_name"}
 

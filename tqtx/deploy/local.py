@@ -46,7 +46,8 @@ class LocalDeployment:
     Children exit when this process dies (they watch a pipe), and on :meth:`stop`.
     With ``owner_record`` (default) it writes ``<state_dir>/deployment.json`` once ready,
     so a bare ``tq.init()`` in another process attaches (see :mod:`tqtx.deploy.owner`); stop
-    removes it.
+    removes it. The durability setting comes from ``env`` over this process's environment
+    (``TQTX_DURABILITY`` ..., :mod:`tqtx.deploy.durable`); every process gets it mapped.
     """
 
     def __init__(self, *, num_units: int = 2, state_dir: str, host: str = "127.0.0.1",
@@ -61,6 +62,10 @@ class LocalDeployment:
         self._parent_r, self._parent_w = os.pipe()
         os.set_inheritable(self._parent_r, False)
         self.env = {**os.environ, **(env or {})}
+        # every process gets the mapped durability setting (tqtx.deploy.durable)
+        from .durable import resolve as resolve_durability
+        self.durability = resolve_durability({}, self.env)
+        self.env.update(self.durability.env(self.state_dir))
         if metrics and metrics.get("enabled", True):
             # Prometheus export: controller at the base port, unit k at base + 1 + k.
             self.env["TQTX_METRICS_PORT"] = str(int(metrics.get("port") or 9464))

@@ -145,6 +145,9 @@ def publish(dep) -> dict:
            "owner_pid": os.getpid(), "owner_started": process_started(os.getpid()),
            "hostname": socket.gethostname(), "curve": curve, "server_key": server_key,
            "keys_dir": keys_dir, "created": time.time()}
+    setting = getattr(dep, "durability", None)
+    if setting is not None:  # what `tqtx journal show` reports the state dir ran with
+        rec.update(setting.record(dep.state_dir))
     write_record(dep.state_dir, rec)
     return rec
 

@@ -175,6 +175,11 @@ class RayDeployment(_RayTopology):
         env = {k: str(v) for k, v in (cfg.get("env") or {}).items()}
         if cfg.get("insecure"):
             env["TQTX_INSECURE"] = "1"
+        # The servers' environment is their node's, not this process's: the durability
+        # setting goes in explicitly, a "~" unit data dir left for the unit's node to expand.
+        from ..deploy.durable import resolve as resolve_durability
+        self.durability = resolve_durability(cfg)
+        env.update(self.durability.env(self.state_dir, expand_user=False))
         unit_env = {int(k): v for k, v in (cfg.get("unit_env") or {}).items()}
         deadline = time.monotonic() + self.start_timeout
         try:
@@ -299,7 +304,8 @@ class RayDeployment(_RayTopology):
                "num_units": self.num_units, "state_dir": self.state_dir,
                "nodes": dict(self.nodes), "pids": dict(self.pids), "logs": dict(self.logs),
                "owner_pid": os.getpid(),
-               "job_id": ray.get_runtime_context().get_job_id(), "curve": self.curve}
+               "job_id": ray.get_runtime_context().get_job_id(), "curve": self.curve,
+               **self.durability.record(self.state_dir)}
         if self.curve:
             rec["server_key"] = _z85(key_files["server.key"], False)
             rec["client_public"] = _z85(key_files["client.key_secret"], False)

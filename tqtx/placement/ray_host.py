@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from ..durability import ENV_UNIT_DATA_DIR
+
 
 class ServerHost:
     """One server process owned by this actor (wrap with ``ray.remote`` to use)."""
@@ -49,6 +51,9 @@ class ServerHost:
 
         where = self.where()
         env = {**os.environ, **env, "TQTX_NODE": where["node_id"]}
+        data_dir = env.get(ENV_UNIT_DATA_DIR)
+        if data_dir:  # "~": this node's home directory
+            env[ENV_UNIT_DATA_DIR] = os.path.abspath(os.path.expanduser(data_dir))
         if key_files:
             self.keys_dir = write_key_files(key_files)
             env["TQTX_KEYS_DIR"] = self.keys_dir

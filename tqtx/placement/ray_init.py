@@ -69,6 +69,7 @@ def init_on_ray(cfg: dict, state_dir_default):
             dep.stop(graceful=False)
             raise
         config["owner_pid"] = os.getpid()
+        config.update(dep.durability.record(dep.state_dir))
         return dep, client, config
     raise ray_cluster.DeploymentNameTaken(
         f"the job's tqtx deployment {cfg.get('ray_name') or ray_cluster.default_name()!r} "
