@@ -6,6 +6,9 @@
 with ``tq.init(address=...)``), optionally runs a nemesis in this process meanwhile (unit and
 controller kills), then merges the workers' JSONL logs into a history for :mod:`checker`.
 
+:func:`whole_job_nemesis` SIGKILLs every process at once and starts them again on the same
+state dir: with durability ``sync`` nothing acknowledged may be lost, so no loss is modelled.
+
 A unit kill is part of the history: an optional write of LOST to the row of every key
 during [kill, unit back] (only the keys on that unit lose their row, and they do so when it
 re-registers). A controller kill loses nothing (metadata is journaled), so it is only counted.
@@ -49,9 +52,11 @@ class RunResult:
         return "\n".join(lines)
 
 
-def start_deployment(state_dir: str, num_units: int = 2):
+def start_deployment(state_dir: str, num_units: int = 2, durability: str | None = None):
     from tqtx.deploy import LocalDeployment
-    return LocalDeployment(num_units=num_units, state_dir=state_dir, owner_record=False)
+    env = {"TQTX_DURABILITY": durability} if durability else None
+    return LocalDeployment(num_units=num_units, state_dir=state_dir, owner_record=False,
+                           env=env)
 
 
 def run(dep, workdir: Path, *, workers: int, seconds: float, seed: int, nemesis=None,
@@ -188,5 +193,31 @@ def kill_nemesis(seed: int, *, every: tuple[float, float] = (6.0, 12.0)):
                 dep.restart_controller()   # kill -9, same state dir and port
                 described.append(f"controller killed and back in {time.monotonic() - t0:.2f}s")
         return ops, described
+
+    return nemesis
+
+
+def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0)):
+    """A nemesis that, until shortly before ``end``, kills (SIGKILL) every unit and the
+    controller at random intervals and starts them all again on the same state dir (the
+    controller on its port). Returns no loss op (durability ``sync``: every acknowledged
+    write survives) and a description of each kill."""
+    rng = random.Random(seed)
+
+    def nemesis(dep, end: float):
+        described: list[str] = []
+        while time.monotonic() + every[1] + 8 < end:
+            time.sleep(rng.uniform(*every))   # the schedule is random by design
+            t0 = time.monotonic()
+            units = [dep.procs[f"unit {uid}"] for uid in range(dep.num_units)]
+            for proc in units:
+                proc.kill()
+            dep.restart_controller()   # kill -9, same state dir and port
+            for uid, proc in enumerate(units):
+                proc.wait(10)
+                dep.restart_unit(uid)
+            described.append(f"job killed ({dep.num_units + 1} processes) and back in "
+                             f"{time.monotonic() - t0:.2f}s")
+        return [], described
 
     return nemesis

@@ -260,3 +260,37 @@ def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
         assert _state(again) == durable
     finally:
         _close(again)
+
+
+def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(tmp_path,
+                                                                            monkeypatch):
+    import errno
+
+    full = threading.Event()
+    real_writev = rl.fsutil.writev_all
+
+    def writev_all(fd, bufs):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(rl.fsutil, "writev_all", writev_all)
+    unit = _unit(tmp_path, flush_interval=0.05)
+    _put(unit, [[0, {"a": _tensor(1)}]], [1])
+    unit.rowlog.flush()
+    full.set()
+    _put(unit, [[1, {"a": _tensor(2)}]], [1])  # stored; its write fails and waits
+    _settle(unit, lambda: unit.rowlog.error is not None)
+    with pytest.raises(OSError, match="row log .* cannot be written .*No space left"):
+        _put(unit, [[2, {"a": _tensor(3)}]], [1])
+    assert 2 not in unit.rows  # refused before anything was stored
+    full.clear()
+    _settle(unit, lambda: unit.rowlog.error is None and not unit.rowlog._queue)
+    _put(unit, [[2, {"a": _tensor(3)}]], [1])
+    want = _state(unit)
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == want and set(want) == {0, 1, 2}
+    finally:
+        _close(again)

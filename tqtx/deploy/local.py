@@ -167,7 +167,8 @@ class LocalDeployment:
         return check
 
     def restart_unit(self, uid: int, timeout: float = 60.0, env: dict | None = None) -> None:
-        """Start unit ``uid`` again (after it died); it re-registers, empty."""
+        """Start unit ``uid`` again (after it died); it re-registers, empty or with the rows
+        of its row log (durability buffer, sync)."""
         name = f"unit {uid}"
         old = self.procs.get(name)
         if old is not None and old.poll() is None:

@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""What the row log (durability "buffer" and "sync") costs and what it buys back.
+
+    python benchmarks/durable_buffer.py [--units 2] [--writers 8] [--seconds 5]
+                                        [--keys 50000] [--key-bytes 21000] [--dir DIR]
+                                        [--quick] [--json P]
+
+On disk (--dir, default the temp dir), each figure in one run against its baseline:
+
+* ``sync writers``: small trajectories (8 float32 fields, 16 KiB a row, one row per put)
+  put for --seconds by 1 writer process, then by --writers processes at once, against one
+  ``sync`` deployment: rows/s of each, their ratio (target: 8 writers >= 4x one: the
+  puts share fsyncs) and the per-process rate (target: >= 3,000/s). The same with
+  ``controller`` (no fsync) is the baseline.
+* ``fsync``: the median of 200 fsyncs of a 4 KiB append on the same disk (the floor a
+  ``sync`` put pays; a tiny put targets one fsync + 0.3 ms, see benchmarks/durability.py).
+* ``recovery``: --keys keys of --key-bytes each (default 50,000 x 21 KB = 1 GiB) put with
+  ``buffer``, every process SIGKILLed, then a new ``tq.init`` on the state dir: seconds
+  until it serves (``init`` returned and every unit registered; target <= 2 s), until
+  every key was read back (target <= 1.5x the disk read floor: reading the row log files
+  with a cold page cache), and the controller's reconciliation (its log).
+
+--quick: small sizes, finishes in about a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import drop_cache, median  # noqa: E402
+
+FIELDS = 8
+FIELD_FLOATS = 512  # 8 x 512 x 4 bytes = 16 KiB a row
+
+
+def _writer(address: str, seconds: float, start, out, wid: int) -> None:
+    import torch
+    from tensordict import TensorDict
+
+    import tqtx as tq
+    tq.init(address=address, config={"timeout": 60})
+    row = TensorDict({f"f{j}": torch.rand(1, FIELD_FLOATS) for j in range(FIELDS)},
+                     batch_size=[1])
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        tq.kv_batch_put([f"w{wid}-{n}"], "traj", row)
+        n += 1
+    out.put(n / (time.perf_counter() - t0))
+    tq.close()
+
+
+def _writers(address: str, count: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(address, seconds, start, out, w))
+             for w in range(count)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0)  # every writer attached and imported torch
+    start.set()
+    rates = [out.get(timeout=seconds + 120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    return sum(rates)
+
+
+def sync_writers(args, root: str) -> dict:
+    import tqtx as tq
+    res = {}
+    for setting in ("controller", "sync"):
+        state = os.path.join(root, f"writers-{setting}")
+        tq.init({"num_units": args.units, "state_dir": state, "durability": setting})
+        address = tq.get_client().address
+        one = _writers(address, 1, args.seconds)
+        many = _writers(address, args.writers, args.seconds)
+        tq.close()
+        shutil.rmtree(state, ignore_errors=True)
+        res[setting] = {"1 writer rows/s": one, f"{args.writers} writers rows/s": many,
+                        "ratio": many / one, "per process rows/s": many / args.writers}
+    return res
+
+
+def fsync_floor(root: str) -> float:
+    path = os.path.join(root, "fsync-probe")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    times = []
+    try:
+        for _ in range(200):
+            os.write(fd, b"x" * 4096)
+            t0 = time.perf_counter()
+            os.fsync(fd)
+            times.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return median(times)
+
+
+def recovery(args, root: str) -> dict:
+    import torch
+    from tensordict import TensorDict
+
+    import tqtx as tq
+    from tqtx import api
+    state = os.path.join(root, "recovery")
+    cfg = {"num_units": args.units, "state_dir": state, "durability": "buffer"}
+    tq.init(cfg)
+    cols = max(1, args.key_bytes // 4)
+    keys = [f"k{i}" for i in range(args.keys)]
+    batch = 1000
+    for lo in range(0, args.keys, batch):
+        part = keys[lo:lo + batch]
+        tq.kv_batch_put(part, "p", TensorDict({"x": torch.rand(len(part), cols)},
+                                              batch_size=[len(part)]))
+    time.sleep(1.5)  # one flush interval: everything fsynced
+    api._deployment.stop(graceful=False)   # SIGKILL every process
+    api._client.close()
+    api._client = api._deployment = api._config = None
+    units = os.path.join(state, "units")
+    nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(units)
+                 for f in fs)
+    drop_cache(units)
+    t0 = time.perf_counter()
+    for d, _, fs in os.walk(units):
+        for f in fs:
+            with open(os.path.join(d, f), "rb") as fh:
+                while fh.read(8 << 20):
+                    pass
+    floor = time.perf_counter() - t0
+    drop_cache(units)
+    t0 = time.perf_counter()
+    tq.init(cfg)
+    client = tq.get_client()
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        time.sleep(0.005)
+    serving = time.perf_counter() - t0
+    for lo in range(0, args.keys, batch):
+        tq.kv_batch_get(keys[lo:lo + batch], "p")
+    readable = time.perf_counter() - t0
+    listed = sum(len(v) for v in tq.kv_list().values())
+    tq.close()
+    shutil.rmtree(state, ignore_errors=True)
+    return {"keys": args.keys, "log bytes": nbytes, "listed after": listed,
+            "disk read floor s": floor, "serving s": serving, "all readable s": readable,
+            "readable / floor": readable / floor if floor else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--units", type=int, default=2)
+    ap.add_argument("--writers", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--keys", type=int, default=50_000)
+    ap.add_argument("--key-bytes", type=int, default=21_000)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds, args.keys, args.key_bytes = 2.0, 5_000, 4_000
+    root = tempfile.mkdtemp(prefix="tqtx-durable-", dir=args.dir)
+    try:
+        out = {"fsync s": fsync_floor(root), "writers": sync_writers(args, root),
+               "recovery": recovery(args, root)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"fsync of a 4 KiB append (median): {out['fsync s'] * 1e3:.3f} ms")
+    for setting, r in out["writers"].items():
+        print(f"{setting:10s} 1 writer {r['1 writer rows/s']:8.0f} rows/s   {args.writers} "
+              f"writers {r[f'{args.writers} writers rows/s']:8.0f} rows/s   ratio "
+              f"{r['ratio']:.2f}   per process {r['per process rows/s']:.0f} rows/s")
+    r = out["recovery"]
+    print(f"recovery of {r['keys']} keys ({r['log bytes'] / 2**20:.0f} MiB of row log): "
+          f"serving in {r['serving s']:.2f} s, all readable in {r['all readable s']:.2f} s "
+          f"({r['readable / floor']:.2f}x the cold read of the log files, "
+          f"{r['disk read floor s']:.2f} s); {r['listed after']} keys listed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
