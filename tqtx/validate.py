@@ -381,7 +381,7 @@ class Address(Kind):
 PARTITION = Text("a non-blank str")
 KEY = Text("a str", blank=True)
 BATCH_KEYS = Keys("a str or a non-empty list of distinct str")
-CLEAR_KEYS = Keys("a str or a non-empty list of str", distinct=False)
+ANY_KEYS = Keys("a str or a non-empty list of str", distinct=False)
 DUMP_KEYS = Keys("a list (or tuple, or set) of str", one=False, empty=True, distinct=False,
                  containers=(list, tuple, set, frozenset))
 FIELD_NAMES = Keys("a str or a list of str", empty=True, distinct=False,
@@ -411,7 +411,7 @@ ARGUMENTS: dict[str, dict[str, Kind]] = {
                      "select_fields": Maybe(FIELD_NAMES)},
     "kv_batch_get_by_meta": {"meta": Meta(), "select_fields": Maybe(FIELD_NAMES)},
     "kv_list": {"partition_id": Maybe(PARTITION)},
-    "kv_clear": {"keys": CLEAR_KEYS, "partition_id": PARTITION},
+    "kv_clear": {"keys": ANY_KEYS, "partition_id": PARTITION},
     "save_checkpoint": {"checkpoint_dir": PATH, "include_storage": FLAG,
                         "metadata": Maybe(JsonDict())},
     "load_checkpoint": {"checkpoint_dir": PATH},
@@ -513,10 +513,10 @@ def as_key_list(keys) -> list[str]:
     return [keys] if isinstance(keys, str) else list(keys)
 
 
-def check_keys(keys, what: str = "keys") -> list[str]:
-    """``keys`` as a list: one str is one key (as in TransferQueue); a non-empty list of
-    distinct str otherwise."""
-    BATCH_KEYS.check("tqtx", what, keys)
+def check_keys(where: str, keys, kind: Keys = BATCH_KEYS) -> list[str]:
+    """``keys`` checked against ``kind`` (TypeError or ValueError naming ``where``), as a
+    list: one str is one key (as in TransferQueue)."""
+    kind.check(where, "keys", keys)
     return as_key_list(keys)
 
 

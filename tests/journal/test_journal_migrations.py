@@ -15,7 +15,8 @@ from filelock import FileLock
 
 from tqtx.journal.models import ControllerBase, DumpBase
 from tqtx.journal.migrate import head_revision, make_engine, migrate, migrations_dir
-from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.journal.controller import ControllerJournal
+from tqtx.journal.dump import DumpJournal
 from tqtx.paths import controller_journal_path, dump_journal_path
 
 
@@ -119,7 +120,7 @@ def test_migration_waits_for_migrate_lock(tmp_path):
     lock = FileLock(str(path) + ".migrate.lock")
     code = textwrap.dedent(f"""
         import time
-        from tqtx.journal.store import ControllerJournal
+        from tqtx.journal.controller import ControllerJournal
         ControllerJournal({str(state)!r}).close()
         print(time.time())
     """)
@@ -133,7 +134,8 @@ def test_migration_waits_for_migrate_lock(tmp_path):
 
 OPENER = textwrap.dedent("""
     import sys, time
-    from tqtx.journal.store import ControllerJournal, DumpJournal
+    from tqtx.journal.controller import ControllerJournal
+    from tqtx.journal.dump import DumpJournal
     kind, target, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
     while time.time() < start:
         time.sleep(0.001)

@@ -17,7 +17,7 @@ from .. import faults
 from .. import states as st
 from ..errors import ControllerRecoveringError, StateDirInUseError
 from ..journal.meta import MetaJournal, check_durability
-from ..journal.store import ControllerJournal
+from ..journal.controller import ControllerJournal
 from ..paths import controller_lock_path, controller_owner_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer

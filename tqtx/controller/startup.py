@@ -17,7 +17,8 @@ from .. import states as st
 from ..publish import dump_lock, recover_publications
 from ..errors import DumpFormatError
 from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD
-from ..journal.store import ControllerJournal, DumpJournal
+from ..journal.controller import ControllerJournal
+from ..journal.dump import DumpJournal
 from ..paths import find_dump_journal
 from ..plan import RestorePlan
 from ..wire import codec
