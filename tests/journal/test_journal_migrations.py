@@ -126,10 +126,20 @@ def test_migration_waits_for_migrate_lock(tmp_path):
     """)
     with lock:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        time.sleep(1.0)
+        _wait_until_exists(proc, path)  # it is at the lock, which is held
         released = time.time()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and float(out) >= released  # it waited for the migrate lock
+
+
+def _wait_until_exists(proc, path, timeout: float = 60.0) -> None:
+    """Return once ``path`` exists (the opener's engine made the database file: it checks
+    the stamp, then takes the migrate lock), failing if ``proc`` ended first."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, "the opener ended before it reached the lock"
+        assert time.monotonic() < deadline, f"the opener never made {path}"
+        time.sleep(0.01)
 
 
 OPENER = textwrap.dedent("""
