@@ -24,7 +24,7 @@ import time
 import weakref
 
 from .client.batchmeta import BatchMeta
-from .validate import ANY_KEYS, check_keys
+from .arguments import ANY_KEYS, check_keys
 
 log = logging.getLogger("tqtx.dataplane")
 
@@ -51,7 +51,7 @@ def list_lost_keys(partition_id: str | None = None) -> dict:
     out and kv_batch_get of one raises RowsLostError; put them again (re-generate them),
     restore a dump that holds them, or kv_clear them."""
     from . import api
-    from .validate import check_call
+    from .arguments import check_call
     check_call("list_lost_keys", locals())
     from .client.tensors import decode_object
     raw = api._client_of().call_controller("LIST", {"partition_id": partition_id, "lost": True},

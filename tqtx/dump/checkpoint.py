@@ -18,7 +18,7 @@ from ..publish import Publication, check_publish_target, dump_lock, recover_publ
 from ..errors import DumpFormatError, DumpNotFoundError, TqtxError
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
 from ..journal.dump import DumpJournal
-from ..validate import check_snapshot_names
+from ..arguments import check_snapshot_names
 from ..version import __version__
 from ..wire.codec import packb, unpackb
 from ..wire.columns import pack_int64

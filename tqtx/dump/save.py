@@ -19,7 +19,8 @@ from ..client.get_path import read_rows
 from ..errors import StaleRowsError
 from ..gcpause import gc_paused
 from ..journal.dump import DumpJournal
-from ..validate import DUMP_KEYS, check_keys, check_utf8
+from ..arguments import DUMP_KEYS, check_keys
+from ..validate import check_utf8
 from ..version import __version__
 from ..wire.columns import NUMPY_DTYPE, unpack_int64
 from ..wire.peer import call_many
