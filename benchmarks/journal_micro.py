@@ -17,7 +17,7 @@ from _common import median
 def dump_journal_micro(state_dir: str, reps: int = 5) -> dict:
     """Time the client's dump-journal calls of one dump (fresh target) and one restore."""
     from tqtx import states as st
-    from tqtx.journal.store import DumpJournal
+    from tqtx.journal.dump import DumpJournal
     from tqtx.paths import staging_path
     dump_t, restore_t = [], []
     for rep in range(reps):
@@ -48,7 +48,7 @@ def dump_journal_micro(state_dir: str, reps: int = 5) -> dict:
 def controller_journal_micro(state_dir: str, units: int, reps: int = 5) -> dict:
     """Time the controller-journal transitions of one dump and one restore."""
     from tqtx import states as st
-    from tqtx.journal.store import ControllerJournal
+    from tqtx.journal.controller import ControllerJournal
     from tqtx.wire.rpc import new_id
     dump_t, restore_t = [], []
     with ControllerJournal(state_dir) as cj:

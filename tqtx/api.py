@@ -13,13 +13,14 @@ import os
 import threading
 
 from . import public
+from .arguments import as_key_list, check_call
 from .client import semantics
 from .client.client import Client
 from .client.kvmeta import KVBatchMeta
 from .dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
 from .errors import NotInitializedError
 from .gcpause import gc_paused
-from .validate import as_key_list, check_call, is_tensordict
+from .validate import is_tensordict
 
 __all__ = [*public.CALLS, "KVBatchMeta"]
 

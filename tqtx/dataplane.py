@@ -24,6 +24,7 @@ import time
 import weakref
 
 from .client.batchmeta import BatchMeta
+from .arguments import ANY_KEYS, check_keys
 
 log = logging.getLogger("tqtx.dataplane")
 
@@ -50,7 +51,7 @@ def list_lost_keys(partition_id: str | None = None) -> dict:
     out and kv_batch_get of one raises RowsLostError; put them again (re-generate them),
     restore a dump that holds them, or kv_clear them."""
     from . import api
-    from .validate import check_call
+    from .arguments import check_call
     check_call("list_lost_keys", locals())
     from .client.tensors import decode_object
     raw = api._client_of().call_controller("LIST", {"partition_id": partition_id, "lost": True},
@@ -83,18 +84,6 @@ def _batch(pid: str, res: dict, fields, produced) -> BatchMeta:
                      custom_meta=[decode_object(t) for t in res["tags"]], keys=res["keys"])
 
 
-def _key_list(keys) -> list[str]:
-    if isinstance(keys, str):
-        return [keys]
-    if isinstance(keys, list):
-        if not keys:
-            raise ValueError("Received an empty list as keys.")
-        if not all(isinstance(k, str) for k in keys):
-            raise TypeError("Not all elements in `keys` are strings.")
-        return keys
-    raise TypeError("Only string or list of strings are allowed as `keys`.")
-
-
 class DataPlaneClient:
     """TransferQueue's ``TransferQueueClient`` calls over tqtx ``client`` (see the module
     docstring); other attributes are the tqtx Client's."""
@@ -118,7 +107,7 @@ class DataPlaneClient:
     def kv_retrieve_meta(self, keys, partition_id: str, create: bool = False) -> BatchMeta:
         """The BatchMeta of ``keys`` that exist (unknown ones left out; with ``create``
         they are made first, without fields or tags), with the fields they all have."""
-        keys = _key_list(keys)
+        keys = check_keys("kv_retrieve_meta()", keys, ANY_KEYS)
         body = {"partition_id": partition_id, "keys": keys}
         res = self._call("KV_META", body, f"looking up {len(keys)} key(s)")
         if create and len(res["keys"]) != len(keys):

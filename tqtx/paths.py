@@ -1,4 +1,4 @@
-"""Every file name tqtx uses beside a dump or in a state dir, and what tqtx may replace.
+"""Every file name tqtx uses beside a dump or in a state dir.
 
 Beside a dump ``<dump>`` (siblings, never inside it): ``<dump>.lock`` (the dump lock),
 ``<dump>.journal.sqlite`` (with SQLite's ``-journal`` file and, once it was upgraded from
@@ -12,12 +12,10 @@ and ``.index``. In a state dir: ``journal.sqlite``, ``controller.lock``,
 ``logs/controller.log`` and ``logs/unit-<k>.log``, and, for dumps on read-only storage,
 ``dumps/<sha256>.lock`` and ``dumps/<sha256>.journal.sqlite`` (see :func:`records_location`).
 
-What tqtx may replace (:func:`check_publish_target`): nothing, an empty directory, or a
-complete tqtx dump (checkpoint) of the same kind; ``<dump>.old`` / ``<dump>.tmp-*`` only
-when a publication row of the dump journal accounts for them.
+What tqtx may replace is decided by :func:`tqtx.publish.check_publish_target` from these
+names and the dump journal.
 
-A torch-free leaf module: it imports nothing from tqtx but :mod:`tqtx.errors` and
-:mod:`tqtx.states`.
+A torch-free leaf module: it imports nothing from tqtx.
 """
 from __future__ import annotations
 
@@ -25,12 +23,9 @@ import hashlib
 import json
 import logging
 import os
-import sqlite3
 import threading
 from pathlib import Path
 
-from .errors import ReadOnlyDumpError, TargetNotADumpError
-from .states import OLD_MOVED, PUBLISHED, SYNCED
 
 log = logging.getLogger("tqtx.paths")
 
@@ -54,8 +49,6 @@ JOURNAL_SUFFIX = ".journal.sqlite"
 MIGRATE_LOCK_SUFFIX = ".migrate.lock"
 SQLITE_JOURNAL_SUFFIX = "-journal"  # SQLite's rollback journal next to a database file
 RELOCATED_DIR = "dumps"
-# Publication phases in which <dump>.old may be tqtx's (moved there by that attempt).
-_OLD_PHASES = (SYNCED, OLD_MOVED, PUBLISHED)
 
 
 # --------------------------------------------------------------------------- names
@@ -204,7 +197,8 @@ def is_own_sibling(name: str, dump_name: str) -> bool:
 # --------------------------------------------------------------------------- read-only dumps
 
 
-def _nearest_existing_parent(path: str | os.PathLike) -> Path:
+def nearest_existing_parent(path: str | os.PathLike) -> Path:
+    """The nearest ancestor of ``path`` that exists (``/`` at the last)."""
     parent = abs_path(path).parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -214,7 +208,7 @@ def _nearest_existing_parent(path: str | os.PathLike) -> Path:
 def siblings_writable(dump_dir: str | os.PathLike) -> bool:
     """Can files be created beside ``dump_dir``? (Its nearest existing ancestor is a
     writable directory; ``os.access`` reports a read-only mount even to root.)"""
-    parent = _nearest_existing_parent(dump_dir)
+    parent = nearest_existing_parent(dump_dir)
     return parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)
 
 
@@ -291,92 +285,6 @@ def replaceable(path: str | os.PathLike, kind: str) -> bool:
     if p.is_symlink() or not p.is_dir():
         return False
     return manifest_kind(p) == kind or not any(os.scandir(p))
-
-
-def read_only_journal(path: str | os.PathLike) -> sqlite3.Connection:
-    """A plain sqlite3 connection that only reads the journal at ``path``: it never creates,
-    migrates or writes it (sqlite3.Error where it cannot be opened)."""
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-
-
-def journal_accounts_for_old(dump_dir: str | os.PathLike, journal: Path | None = None) -> bool:
-    """Does an unfinished publication in the dump journal say ``<dump>.old`` may be tqtx's?
-    (Read-only; False without a readable journal.)"""
-    path = journal or dump_journal_path(dump_dir)
-    if not path.exists():
-        return False
-    try:
-        con = read_only_journal(path)
-    except sqlite3.Error:
-        return False
-    try:
-        marks = ",".join("?" * len(_OLD_PHASES))
-        row = con.execute(f"SELECT count(*) FROM publications WHERE phase IN ({marks})",
-                          _OLD_PHASES).fetchone()
-        return bool(row and row[0])
-    except sqlite3.Error:
-        return False
-    finally:
-        con.close()
-
-
-def check_publish_target(target: str | os.PathLike, kind: str) -> Path:
-    """Refuse, before anything is touched, to publish a ``kind`` at ``target`` unless what is
-    there is tqtx's to replace; returns the absolute target.
-
-    Allowed: a missing path, an empty directory, a complete tqtx ``kind``. Refused with
-    :class:`TargetNotADumpError`: anything else (a file, a symlink, a directory with other
-    contents, a dump of the other kind, the root or the working directory unless it is a
-    tqtx ``kind``), and a ``<target>.old`` no unfinished publication accounts for.
-    :class:`ReadOnlyDumpError` when nothing can be written beside ``target``.
-    """
-    p = abs_path(target)
-    what = "checkpoint" if kind == "checkpoint" else "dump"
-
-    def refuse(reason: str, path: Path = p) -> TargetNotADumpError:
-        return TargetNotADumpError(
-            f"{path}: {reason}; tqtx replaces only an empty directory or a tqtx {what} it "
-            f"made, so it refuses to publish a {what} there (choose another path, or move "
-            f"it away first)", path=str(path))
-
-    if p == p.parent:
-        raise refuse("is the filesystem root")
-    if p.is_symlink():
-        raise refuse(f"is a symbolic link (to {os.readlink(p)!r})")
-    if p.exists():
-        if not p.is_dir():
-            raise refuse("is an existing file, not a directory")
-        found = manifest_kind(p)
-        if found != kind:
-            try:
-                here = abs_path(os.getcwd())
-            except OSError:
-                here = None
-            if found is not None:
-                raise refuse(f"is a tqtx {found}, not a {what}")
-            if here is not None and (p == here or p in here.parents):
-                raise refuse("is the working directory" if p == here
-                             else "contains the working directory")
-            names = sorted(e.name for e in os.scandir(p))
-            if names:
-                shown = ", ".join(repr(n) for n in names[:5])
-                more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-                manifest = CHECKPOINT_MANIFEST if kind == "checkpoint" else DUMP_MANIFEST
-                count = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
-                raise refuse(f"is a directory holding {count} ({shown}{more}) "
-                             f"and no valid {manifest}, so it is not a tqtx {what}")
-    old = old_path(p)
-    if (old.exists() or old.is_symlink()) and not journal_accounts_for_old(p):
-        raise refuse(f"exists beside {p.name}, and no publication in the dump journal made "
-                     f"it (tqtx needs that name while it swaps the {what} in)", old)
-    parent = _nearest_existing_parent(p)
-    if not parent.is_dir():
-        raise refuse(f"cannot be created: {parent} is an existing file, not a directory")
-    if not siblings_writable(p):
-        raise ReadOnlyDumpError(f"{p}: is on read-only storage (cannot create files in "
-                                f"{p.parent}); a {what} cannot be published there",
-                                path=str(p))
-    return p
 
 
 def _read_json(path: Path):

@@ -8,7 +8,7 @@ the dump journal ``<dump>.journal.sqlite`` *after* the filesystem step, so after
 complete new dump. All of this runs under :func:`dump_lock` (``<dump>.lock``).
 
 Only what tqtx can prove it made is ever renamed or deleted: the dump it replaces must be a
-tqtx dump of the same kind or an empty directory (:func:`tqtx.paths.check_publish_target`,
+tqtx dump of the same kind or an empty directory (:func:`check_publish_target`,
 re-checked in :meth:`Publication.commit`), and a ``.old`` or staging directory is touched
 only when a publication row of the journal accounts for it. Sibling names live in
 :mod:`tqtx.paths` and are re-exported here.
@@ -26,13 +26,75 @@ from . import faults, paths
 from . import states as st
 from .errors import ReadOnlyDumpError, TargetNotADumpError
 from .fsutil import fsync_dir, fsync_tree
-from .journal.store import DumpJournal
+from .journal.dump import DumpJournal
 from .paths import old_path, staging_path
 
-__all__ = ["Publication", "dump_lock", "publish_dir_size", "recover_publications"]
+__all__ = ["Publication", "check_publish_target", "dump_lock", "publish_dir_size",
+           "recover_publications"]
 
 
 _abs = paths.abs_path
+
+
+def check_publish_target(target: str | os.PathLike, kind: str) -> Path:
+    """Refuse, before anything is touched, to publish a ``kind`` at ``target`` unless what is
+    there is tqtx's to replace; returns the absolute target.
+
+    Allowed: a missing path, an empty directory, a complete tqtx ``kind``. Refused with
+    :class:`TargetNotADumpError`: anything else (a file, a symlink, a directory with other
+    contents, a dump of the other kind, the root or the working directory unless it is a
+    tqtx ``kind``), and a ``<target>.old`` no unfinished publication accounts for.
+    :class:`ReadOnlyDumpError` when nothing can be written beside ``target``.
+    """
+    p = _abs(target)
+    what = "checkpoint" if kind == "checkpoint" else "dump"
+
+    def refuse(reason: str, path: Path = p) -> TargetNotADumpError:
+        return TargetNotADumpError(
+            f"{path}: {reason}; tqtx replaces only an empty directory or a tqtx {what} it "
+            f"made, so it refuses to publish a {what} there (choose another path, or move "
+            f"it away first)", path=str(path))
+
+    if p == p.parent:
+        raise refuse("is the filesystem root")
+    if p.is_symlink():
+        raise refuse(f"is a symbolic link (to {os.readlink(p)!r})")
+    if p.exists():
+        if not p.is_dir():
+            raise refuse("is an existing file, not a directory")
+        found = paths.manifest_kind(p)
+        if found != kind:
+            try:
+                here = _abs(os.getcwd())
+            except OSError:
+                here = None
+            if found is not None:
+                raise refuse(f"is a tqtx {found}, not a {what}")
+            if here is not None and (p == here or p in here.parents):
+                raise refuse("is the working directory" if p == here
+                             else "contains the working directory")
+            names = sorted(e.name for e in os.scandir(p))
+            if names:
+                shown = ", ".join(repr(n) for n in names[:5])
+                more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+                manifest = (paths.CHECKPOINT_MANIFEST if kind == "checkpoint"
+                            else paths.DUMP_MANIFEST)
+                count = f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
+                raise refuse(f"is a directory holding {count} ({shown}{more}) "
+                             f"and no valid {manifest}, so it is not a tqtx {what}")
+    old = old_path(p)
+    if ((old.exists() or old.is_symlink())
+            and not DumpJournal.accounts_for_old(paths.dump_journal_path(p))):
+        raise refuse(f"exists beside {p.name}, and no publication in the dump journal made "
+                     f"it (tqtx needs that name while it swaps the {what} in)", old)
+    parent = paths.nearest_existing_parent(p)
+    if not parent.is_dir():
+        raise refuse(f"cannot be created: {parent} is an existing file, not a directory")
+    if not paths.siblings_writable(p):
+        raise ReadOnlyDumpError(f"{p}: is on read-only storage (cannot create files in "
+                                f"{p.parent}); a {what} cannot be published there",
+                                path=str(p))
+    return p
 
 
 def dump_lock(dump_dir: str | os.PathLike, timeout: float | None = None, *,

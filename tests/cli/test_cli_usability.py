@@ -13,7 +13,8 @@ from click.testing import CliRunner
 from tqtx.cli import main
 from tqtx.cli.dump import NOT_A_DUMP_EXIT
 from tqtx import format as F
-from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.journal.controller import ControllerJournal
+from tqtx.journal.dump import DumpJournal
 from tqtx.schema import infer_schema
 
 

@@ -9,7 +9,7 @@ import pytest
 from tqtx import durability as dur
 from tqtx.journal import meta
 from tqtx.journal.meta import DURABLE_CUT, MetaChange, MetaJournal, check_durability
-from tqtx.journal.store import ControllerJournal
+from tqtx.journal.controller import ControllerJournal
 
 
 def _change(i: int = 0) -> MetaChange:

@@ -13,7 +13,8 @@ from filelock import Timeout
 from tqtx import faults
 from tqtx.publish import Publication, dump_lock, publish_dir_size, recover_publications
 from tqtx.fsutil import fsync_dir, fsync_file
-from tqtx.journal.store import DumpJournal, IllegalTransition
+from tqtx.journal.dump import DumpJournal
+from tqtx.states import IllegalTransition
 from tqtx.paths import dump_journal_path
 
 PHASES = ["staging", "written", "synced", "old_moved", "published", "cleaned"]
@@ -362,7 +363,7 @@ CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
     from tqtx.publish import Publication, dump_lock
-    from tqtx.journal.store import DumpJournal
+    from tqtx.journal.dump import DumpJournal
     dump = Path(sys.argv[1])
     with dump_lock(dump), DumpJournal(dump) as j:
         pub = Publication(dump, dump_id="d2", journal=j)

@@ -13,7 +13,7 @@ from buffers import assert_same_rows, assert_same_value, rollout_batch
 from tqtx import format as fmt
 from tqtx.dump.save import DumpCancelled
 from tqtx.errors import PeerDiedError
-from tqtx.journal.store import DumpJournal
+from tqtx.journal.dump import DumpJournal
 
 
 def test_dump_holds_the_snapshot_despite_immediate_changes(tq_shared, pid, tmp_path):

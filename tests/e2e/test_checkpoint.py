@@ -171,7 +171,7 @@ def test_crash_left_old_dir_is_recovered_on_load(shared, tmp_path):
 
 def _journal_crashed_attempt(ckpt, attempt_id: str, phase: str) -> None:
     """Journal a publication attempt of ``ckpt`` left at ``phase`` (as a crash leaves it)."""
-    from tqtx.journal.store import DumpJournal
+    from tqtx.journal.dump import DumpJournal
     with DumpJournal(ckpt) as j:
         j.begin_publication(attempt_id=attempt_id, kind="checkpoint", dump_id=None,
                             staging_dir=f"{ckpt}.tmp-{attempt_id}")

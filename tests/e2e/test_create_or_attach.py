@@ -322,7 +322,7 @@ _WARMED = ("import sys, time, json, tqtx as tq\n"
            "    conf['warm_dump'] = sys.argv[2] == 'on'\n"
            "mode = tq.init(conf)['mode']\n"
            "time.sleep(1.5)  # the warm-up thread, had it started, has imported by now\n"
-           "print(json.dumps([mode, 'tqtx.journal.store' in sys.modules]))\n"
+           "print(json.dumps([mode, 'tqtx.journal.dump' in sys.modules]))\n"
            "tq.close()\n")
 
 

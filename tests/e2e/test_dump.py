@@ -13,7 +13,7 @@ from tensordict import TensorDict
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
 from tqtx import format as fmt
-from tqtx.journal.store import DumpJournal
+from tqtx.journal.dump import DumpJournal
 
 
 def _siblings(dump_dir):

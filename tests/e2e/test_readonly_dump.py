@@ -22,7 +22,8 @@ from click.testing import CliRunner
 import tqtx as tq
 from buffers import assert_same_rows, rollout_batch
 from tqtx import ReadOnlyDumpError
-from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.journal.controller import ControllerJournal
+from tqtx.journal.dump import DumpJournal
 from tqtx.paths import JOURNAL_SUFFIX, LOCK_SUFFIX, relocated_path
 from treehash import assert_unchanged, snapshot
 

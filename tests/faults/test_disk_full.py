@@ -160,7 +160,7 @@ def test_dump_target_and_its_journal_on_a_full_disk(tmpfs, tmp_path):
 
 
 def test_dump_journal_write_on_a_full_disk_is_an_oserror_naming_it(tmpfs):
-    from tqtx.journal.store import DumpJournal
+    from tqtx.journal.dump import DumpJournal
     mnt = tmpfs("1m")
     with DumpJournal(mnt / "d") as j:
         j.begin_publication(attempt_id="first", kind="dump", dump_id="x",

@@ -20,7 +20,7 @@ from buffers import assert_same_rows, rollout_batch
 from iofaults import ERRNOS, IOFaults
 from tqtx import format as fmt
 from tqtx.dump import load, save
-from tqtx.journal.store import DumpJournal
+from tqtx.journal.dump import DumpJournal
 from tqtx.testing import InProcessDeployment
 
 DUMP_OPS = ["write", "writev", "fsync-file", "fsync-dir", "rename", "replace", "mkdir"]

@@ -10,7 +10,8 @@ from filelock import FileLock
 
 from tqtx.cli.journal import journal
 from tqtx.journal.migrate import migrate
-from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.journal.controller import ControllerJournal
+from tqtx.journal.dump import DumpJournal
 from tqtx.paths import controller_journal_path, dump_journal_path
 
 

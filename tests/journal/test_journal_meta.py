@@ -5,7 +5,7 @@ import pytest
 
 from tqtx import states as st
 from tqtx.journal.meta import _UPSERT_ROWS, MetaChange, MetaJournal
-from tqtx.journal.store import ControllerJournal
+from tqtx.journal.controller import ControllerJournal
 from tqtx.wire import codec
 from tqtx.wire.values import RawTensor
 

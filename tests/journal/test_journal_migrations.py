@@ -15,7 +15,8 @@ from filelock import FileLock
 
 from tqtx.journal.models import ControllerBase, DumpBase
 from tqtx.journal.migrate import head_revision, make_engine, migrate, migrations_dir
-from tqtx.journal.store import ControllerJournal, DumpJournal
+from tqtx.journal.controller import ControllerJournal
+from tqtx.journal.dump import DumpJournal
 from tqtx.paths import controller_journal_path, dump_journal_path
 
 
@@ -119,21 +120,32 @@ def test_migration_waits_for_migrate_lock(tmp_path):
     lock = FileLock(str(path) + ".migrate.lock")
     code = textwrap.dedent(f"""
         import time
-        from tqtx.journal.store import ControllerJournal
+        from tqtx.journal.controller import ControllerJournal
         ControllerJournal({str(state)!r}).close()
         print(time.time())
     """)
     with lock:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        time.sleep(1.0)
+        _wait_until_exists(proc, path)  # it is at the lock, which is held
         released = time.time()
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and float(out) >= released  # it waited for the migrate lock
 
 
+def _wait_until_exists(proc, path, timeout: float = 60.0) -> None:
+    """Return once ``path`` exists (the opener's engine made the database file: it checks
+    the stamp, then takes the migrate lock), failing if ``proc`` ended first."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, "the opener ended before it reached the lock"
+        assert time.monotonic() < deadline, f"the opener never made {path}"
+        time.sleep(0.01)
+
+
 OPENER = textwrap.dedent("""
     import sys, time
-    from tqtx.journal.store import ControllerJournal, DumpJournal
+    from tqtx.journal.controller import ControllerJournal
+    from tqtx.journal.dump import DumpJournal
     kind, target, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
     while time.time() < start:
         time.sleep(0.001)

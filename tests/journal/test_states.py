@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tqtx import states as st
-from tqtx.journal.store import IllegalTransition
+from tqtx.states import IllegalTransition
 
 
 def test_illegal_transition_is_the_journal_one():

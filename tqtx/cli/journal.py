@@ -17,15 +17,14 @@ import click
 from filelock import FileLock, Timeout
 from sqlalchemy.exc import DatabaseError
 
-from ..journal.base import open_error
 from ..journal.meta import buffer_summary
 from ..errors import TqtxError
-from ..journal.migrate import CONTROLLER, DUMP, HEADS, head_revision, migrate
-from ..journal.migrate import _stamped_revision as stamped_revision
-from ..journal.store import ControllerJournal, DumpJournal
+from ..journal.migrate import CONTROLLER, DUMP, check_file, migrate
+from ..journal.controller import ControllerJournal
+from ..journal.dump import DumpJournal
 from ..paths import (
     JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, controller_running,
-    default_state_dir, dump_journal_path, read_only_journal, relocated_path, siblings_writable,
+    default_state_dir, dump_journal_path, relocated_path, siblings_writable,
 )
 from ..states import DUMP_RESTORE_FINAL
 
@@ -75,19 +74,10 @@ def _ro_publications(dump_dir: str, limit: int | None, unreadable: list) -> list
     if not path.exists():
         return []
     try:
-        con = read_only_journal(path)
+        rows = DumpJournal.read_publications(path, int(limit) if limit else None)
     except sqlite3.Error as exc:
         unreadable.append({"journal": str(path), "error": f"{type(exc).__name__}: {exc}"})
         return []
-    try:
-        con.row_factory = sqlite3.Row
-        sql = "SELECT * FROM publications ORDER BY created_at DESC, attempt_id"
-        rows = [dict(r) for r in con.execute(sql + (f" LIMIT {int(limit)}" if limit else ""))]
-    except sqlite3.Error as exc:
-        unreadable.append({"journal": str(path), "error": f"{type(exc).__name__}: {exc}"})
-        return []
-    finally:
-        con.close()
     return [dict({k: r.get(k) for k in PUBLICATION_KEYS}, dump_dir=str(dump_dir)) for r in rows]
 
 
@@ -118,26 +108,8 @@ def deployment_record(state_dir: Path) -> dict | None:
 
 
 def _reader(cls, target: Path, path: Path | None):
-    """The journal opened read-only: a reader never waits for the writer's lock (a live
-    controller mid-write). One at an older revision is upgraded first, as before."""
-    kwargs = {"path": path} if cls is DumpJournal else {}
-    j = cls(target, readonly=True, **kwargs)
-    try:
-        if cls is DumpJournal:
-            stamp = j._plain.stamp()
-        else:
-            with j.engine.connect() as conn:
-                stamp = stamped_revision(conn)
-    except (sqlite3.Error, DatabaseError) as exc:
-        j.close()
-        raise open_error(exc, j.path, j._chain, j._damaged) from None
-    except BaseException:
-        j.close()
-        raise
-    if stamp == HEADS[j._chain]:
-        return j
-    j.close()
-    return cls(target, **kwargs)
+    """The journal opened for reading (:meth:`~tqtx.journal.base._Journal.for_reading`)."""
+    return cls.for_reading(target, **({"path": path} if cls is DumpJournal else {}))
 
 
 def journal_report(kind: str, target: Path, *, restore_id: str | None = None,
@@ -409,26 +381,10 @@ def migrate_cmd(dump_dir, state_dir) -> None:
 
 def check_journal(path: Path, kind: str) -> dict:
     """Integrity, foreign-key and revision checks on a journal file (read-only)."""
-    con = read_only_journal(path)
-    problems: list[str] = []
-    try:
-        integrity = [r[0] for r in con.execute("PRAGMA integrity_check")]
-        if integrity != ["ok"]:
-            problems += [f"integrity: {m}" for m in integrity]
-        fk = [list(r) for r in con.execute("PRAGMA foreign_key_check")]
-        problems += [f"foreign key: table {t} rowid {rid} -> {parent}" for t, rid, parent, _ in fk]
-        try:
-            revs = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")]
-        except sqlite3.Error:
-            revs = []
-    finally:
-        con.close()
-    head = head_revision(kind)
-    current = ",".join(revs) or None
-    if current != head:
-        problems.append(f"revision {current or 'none'} is not head {head}")
-    return {"journal": str(path), "kind": kind, "integrity": integrity, "foreign_key_errors": fk,
-            "revision": current, "head": head, "ok": not problems, "problems": problems}
+    checks = check_file(path, kind)
+    problems = checks.pop("problems")
+    return {"journal": str(path), "kind": kind, **checks, "ok": not problems,
+            "problems": problems}
 
 
 @journal.command("check")

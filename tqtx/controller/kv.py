@@ -22,7 +22,7 @@ from .. import faults
 from .. import states as st
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError
 from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange, MetaJournal
-from ..journal.store import ControllerJournal
+from ..journal.controller import ControllerJournal
 from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
@@ -393,7 +393,7 @@ class KVRequests:
         """The deployment's owner is closing it: forget every key, here and in the journal."""
         self.restores.refuse("closing the buffer")
         self.journal_meta("end_buffer", MetaChange(replace=True))
-        self.meta.replace({"next_index": 0, "partitions": {}})
+        self.meta.drop_all()
         self.replace_epoch += 1
         log.info("buffer ended by its owner: metadata discarded")
         faults.hit("controller.meta.end_buffer.before_reply")

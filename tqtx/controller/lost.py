@@ -63,7 +63,7 @@ class DeadBufferCheck:
                   f"deployment: no unit held any of their rows at this start (incarnation "
                   f"{ctl.incarnation})")
         ctl.kv.journal_meta("unit_lost", MetaChange(replace=True))
-        ctl.meta.replace({"next_index": 0, "partitions": {}})
+        ctl.meta.drop_all()
         ctl.journal.record_recovery(incarnation_id=ctl.incarnation, kind="buffer",
                                     target=ctl.state_dir, action=st.DROPPED, detail=detail)
         log.warning("startup: dropped %s; the buffer starts empty (load a checkpoint or a "

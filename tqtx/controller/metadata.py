@@ -401,6 +401,11 @@ class Metadata:
                 top = max(top, row[1] + 1)
         return top
 
+    def drop_all(self) -> None:
+        """Forget every partition, row and reserved index: the empty buffer (its owner
+        ended it, or every unit lost its rows)."""
+        self.replace({"next_index": 0, "partitions": {}})
+
     def replace(self, snap: dict, gen_base: int | None = None) -> None:
         """Load ``snap`` (a checkpoint's, or the journal's with ``free`` derived).
 

@@ -32,7 +32,7 @@ from typing import Callable
 from .. import faults
 from .. import states as st
 from ..errors import RestorePendingError, SchemaConflictError
-from ..journal.store import ControllerJournal
+from ..journal.controller import ControllerJournal
 from ..plan import BeginRow, RestorePlan, RestoreRow
 from ..routing import owner
 from ..states import IllegalTransition

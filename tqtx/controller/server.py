@@ -17,8 +17,8 @@ from .. import durability as dur
 from .. import faults
 from .. import states as st
 from ..errors import ControllerRecoveringError, StateDirInUseError
+from ..journal.controller import ControllerJournal
 from ..journal.meta import MetaJournal
-from ..journal.store import ControllerJournal
 from ..paths import controller_lock_path, controller_owner_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer

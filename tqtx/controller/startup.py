@@ -17,8 +17,9 @@ from .. import states as st
 from ..publish import dump_lock, recover_publications
 from ..errors import DumpFormatError
 from ..durability import LOGGED
+from ..journal.controller import ControllerJournal
+from ..journal.dump import DumpJournal
 from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, ROW_LOG_UNITS, MetaChange
-from ..journal.store import ControllerJournal, DumpJournal
 from ..paths import find_dump_journal
 from ..plan import RestorePlan
 from ..wire import codec

@@ -106,7 +106,8 @@ def read_journals(state_before: str, state_after: str, dump_dir: str) -> dict:
     """The records the run left: restores of the restoring controller, dumps of the dumping
     one, the dump journal's publications and reads, and ``tqtx journal show --json`` of the
     restoring controller (None when that command fails: it is informational only)."""
-    from tqtx.journal.store import ControllerJournal, DumpJournal
+    from tqtx.journal.controller import ControllerJournal
+    from tqtx.journal.dump import DumpJournal
 
     with ControllerJournal(state_after, migrate=False) as cj:
         restores = cj.list_restores()

@@ -14,11 +14,11 @@ import time
 
 from .. import faults, fsutil, paths, routing
 from .. import format as fmt
-from ..publish import Publication, dump_lock, recover_publications
+from ..publish import Publication, check_publish_target, dump_lock, recover_publications
 from ..errors import DumpFormatError, DumpNotFoundError, TqtxError
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
-from ..journal.store import DumpJournal
-from ..validate import check_snapshot_names
+from ..journal.dump import DumpJournal
+from ..arguments import check_snapshot_names
 from ..version import __version__
 from ..wire.codec import packb, unpackb
 from ..wire.columns import pack_int64
@@ -47,7 +47,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
     """See :func:`tqtx.save_checkpoint`."""
     t0 = time.perf_counter()
     ckpt_dir = paths.check_path_arg(ckpt_dir, "checkpoint_dir")
-    paths.check_publish_target(ckpt_dir, "checkpoint")  # refuses before anything is touched
+    check_publish_target(ckpt_dir, "checkpoint")  # refuses before anything is touched
     from ..placement.probe import check_units_reach
     check_units_reach(client, ckpt_dir, "checkpoint")  # no-op when all units are local
     if not include_storage:
@@ -59,7 +59,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
     user_meta = json.dumps({"storage_saved": True, "user_metadata": metadata or {}}, indent=2)
     with dump_lock(ckpt_dir):
         recover_publications(ckpt_dir)
-        paths.check_publish_target(ckpt_dir, "checkpoint")  # again, now under the lock
+        check_publish_target(ckpt_dir, "checkpoint")  # again, now under the lock
         with DumpJournal(ckpt_dir) as journal:
             pub = Publication(ckpt_dir, kind="checkpoint", dump_id=None, journal=journal)
             try:

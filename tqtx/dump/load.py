@@ -12,15 +12,13 @@ import logging
 import os
 import time
 
-import filelock
-
 from .. import faults, paths, routing
 from .. import format as fmt
 from .. import states as st
 from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
 from ..gcpause import gc_paused
-from ..journal.store import DumpJournal
-from ..paths import controller_journal_path, controller_lock_path
+from ..journal.dump import DumpJournal
+from ..paths import controller_journal_path, controller_running
 from ..plan import BeginRow, LoadItem
 from ..schema import validate_row
 from ..wire.peer import call_many
@@ -41,17 +39,12 @@ def _pending(rec: dict, reason: str, what: str = "") -> RestorePendingError:
     return err
 
 
-def _controller_alive(state_dir: str) -> bool | None:
-    """Is a controller holding ``state_dir``? None when that journal does not exist."""
+def _controller_alive(state_dir: str | None) -> bool | None:
+    """Is a controller holding ``state_dir`` (:func:`tqtx.paths.controller_running`)? None
+    when that journal does not exist, or its lock cannot be opened: cannot tell."""
     if not state_dir or not controller_journal_path(state_dir).exists():
         return None
-    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)))
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        return True
-    lock.release()
-    return False
+    return controller_running(state_dir)
 
 
 def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, action: str) -> None:

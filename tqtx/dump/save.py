@@ -18,13 +18,14 @@ from ..client.fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..client.get_path import read_rows
 from ..errors import StaleRowsError
 from ..gcpause import gc_paused
-from ..journal.store import DumpJournal
-from ..validate import DUMP_KEYS, check_utf8
+from ..journal.dump import DumpJournal
+from ..arguments import DUMP_KEYS, check_keys
+from ..validate import check_utf8
 from ..version import __version__
 from ..wire.columns import NUMPY_DTYPE, unpack_int64
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
-from ..publish import Publication, dump_lock, recover_publications
+from ..publish import Publication, check_publish_target, dump_lock, recover_publications
 
 log = logging.getLogger("tqtx.dump")
 
@@ -120,8 +121,7 @@ def warm() -> None:
 def normalize_keys(keys) -> list[str]:
     """``keys`` checked as :func:`tqtx.dump_data_by_key` takes them (:data:`DUMP_KEYS`: a
     list, tuple or set of str), duplicates dropped (the first wins)."""
-    DUMP_KEYS.check("dump_data_by_key()", "keys", keys)
-    return list(dict.fromkeys(keys))
+    return list(dict.fromkeys(check_keys("dump_data_by_key()", keys, DUMP_KEYS)))
 
 
 def check_no_reader(client, journal: DumpJournal, dump_dir: str) -> None:
@@ -142,7 +142,7 @@ def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str
     check_utf8("partition_id", partition_id)
     keys = normalize_keys(keys)
     dump_dir = paths.check_path_arg(dump_dir, "dump_dir")
-    paths.check_publish_target(dump_dir, "dump")  # refuses before anything is touched
+    check_publish_target(dump_dir, "dump")  # refuses before anything is touched
     if via == "units":  # every unit must reach the target's filesystem (no-op: all local)
         from ..placement.probe import check_units_reach
         check_units_reach(client, dump_dir, "dump")
@@ -294,7 +294,7 @@ def _dump(client, handle: DumpHandle, keys: list[str], pid: str, via: str, descr
             # One journal connection for the whole publication, recovery included.
             with DumpJournal(dump_dir) as journal:
                 recover_publications(dump_dir, journal)
-                paths.check_publish_target(dump_dir, "dump")  # again, now under the lock
+                check_publish_target(dump_dir, "dump")  # again, now under the lock
                 check_no_reader(client, journal, dump_dir)
                 pub = Publication(dump_dir, kind="dump", dump_id=dump_id, journal=journal)
                 try:

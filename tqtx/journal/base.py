@@ -1,5 +1,10 @@
-"""What both journals share: the base class (engine, transactions, close) and the
-timestamp. The journals themselves are in :mod:`tqtx.journal.store`."""
+"""What both journals share: the base class (engine, transactions, the read-only opening,
+close), the plain-SQL helpers their methods use and the timestamp. The journals themselves
+are in :mod:`tqtx.journal.controller` and :mod:`tqtx.journal.dump`.
+
+Every read and write of a journal's rows is plain SQL in one ``BEGIN IMMEDIATE``
+transaction (:meth:`_Journal._sql`, whose ``run`` is ``exec_driver_sql``'s convention);
+the ORM models of :mod:`tqtx.journal.models` only define the schema."""
 from __future__ import annotations
 
 import errno
@@ -12,10 +17,9 @@ from typing import Iterator
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, DatabaseError
-from sqlalchemy.orm import Session
 
 from ..errors import JournalWriteError
-from .migrate import current_revision, make_engine, upgrade_engine
+from .migrate import HEADS, _stamped_revision, current_revision, make_engine, upgrade_engine
 
 # SQLite's primary result codes that mean the file system refused a write, as errnos.
 _SQLITE_ERRNO = {13: errno.ENOSPC,   # SQLITE_FULL
@@ -80,6 +84,34 @@ def utcnow() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
+# --------------------------------------------------------------------------- plain SQL
+# Over a transaction's ``run`` (``exec_driver_sql``'s convention).
+def sql_marks(values) -> str:
+    """``?, ?, ...``: one parameter per value."""
+    return ", ".join("?" * len(values))
+
+
+def select_rows(run, table: str, cols: tuple, tail: str = "", params: tuple = ()) -> list[dict]:
+    """Rows of ``table`` (``tail``: the SQL after ``FROM table``) as dicts of ``cols``."""
+    rows = run(f"SELECT {', '.join(cols)} FROM {table} {tail}", params).fetchall()
+    return [dict(zip(cols, r)) for r in rows]
+
+
+def insert_row(run, table: str, cols: tuple, row: dict) -> int:
+    """Insert ``row``'s ``cols`` into ``table``; returns the new rowid."""
+    return run(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({sql_marks(cols)})",
+               tuple(row[c] for c in cols)).lastrowid
+
+
+def restores_newest_first(state, restore_id, limit) -> tuple[str, tuple]:
+    """The tail and parameters of a newest-first listing of restores (either journal's),
+    filtered by state and restore ID."""
+    where = [(c, v) for c, v in (("state", state), ("restore_id", restore_id)) if v is not None]
+    tail = (f"{'WHERE ' if where else ''}{' AND '.join(f'{c} = ?' for c, _ in where)} "
+            "ORDER BY created_at DESC, restore_id LIMIT ?")
+    return tail, (*(v for _, v in where), -1 if limit is None else limit)
+
+
 # --------------------------------------------------------------------------- base
 
 
@@ -111,17 +143,35 @@ class _Journal:
         return self._engine
 
     @contextmanager
-    def _tx(self) -> Iterator[Session]:
-        with journal_writes(self.path), Session(self._engine, expire_on_commit=False) as s:
-            with s.begin():
-                yield s
-
-    @contextmanager
     def _sql(self):
-        """One BEGIN IMMEDIATE transaction in plain SQL (the dump path's calls: no ORM
-        session or statement compilation, several times cheaper per call)."""
+        """One BEGIN IMMEDIATE transaction in plain SQL; yields ``run(sql, params)`` (no ORM
+        session or statement compilation: several times cheaper per call)."""
         with journal_writes(self.path), self._engine.begin() as conn:
             yield conn.exec_driver_sql
+
+    @classmethod
+    def for_reading(cls, *args, **kwargs):
+        """The journal opened read-only (``cls(*args, readonly=True, **kwargs)``): a reader
+        never waits for the writer's lock (a live controller mid-write). One at an older
+        revision is opened for writing instead, which upgrades it first."""
+        j = cls(*args, readonly=True, **kwargs)
+        try:
+            stamp = j.stamp()
+        except (sqlite3.Error, DatabaseError) as exc:
+            j.close()
+            raise open_error(exc, j.path, j._chain, j._damaged) from None
+        except BaseException:
+            j.close()
+            raise
+        if stamp == HEADS[j._chain]:
+            return j
+        j.close()
+        return cls(*args, **kwargs)
+
+    def stamp(self) -> str | None:
+        """The revision stamped in the file, read with plain SQL (None without one)."""
+        with self.engine.connect() as conn:
+            return _stamped_revision(conn)
 
     def revision(self) -> str | None:
         """Alembic revision of this journal file."""

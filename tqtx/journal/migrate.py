@@ -151,6 +151,14 @@ class PlainConnection:
             conn.close()
 
 
+def read_only_connection(path: str | os.PathLike) -> sqlite3.Connection:
+    """A plain sqlite3 connection that only reads the journal at ``path``, without tqtx's
+    pragmas: it never creates, migrates or writes it, and opens a damaged file so that it
+    can be checked (sqlite3.Error where it cannot be opened)."""
+    return sqlite3.connect(f"file:{os.fspath(path)}?mode=ro", uri=True,
+                           timeout=BUSY_TIMEOUT_MS / 1000)
+
+
 # --------------------------------------------------------------------------- migrations
 
 
@@ -342,3 +350,28 @@ def create_head_plain(conn: PlainConnection, chain: str) -> bool:
             return False
         _create_head(conn, chain)
     return True
+
+
+def check_file(path: str | os.PathLike, chain: str) -> dict:
+    """Integrity, foreign-key and revision checks on the ``chain`` journal at ``path``,
+    read-only: ``{"integrity", "foreign_key_errors", "revision", "head", "problems"}``."""
+    con = read_only_connection(path)
+    problems: list[str] = []
+    try:
+        integrity = [r[0] for r in con.execute("PRAGMA integrity_check")]
+        if integrity != ["ok"]:
+            problems += [f"integrity: {m}" for m in integrity]
+        fk = [list(r) for r in con.execute("PRAGMA foreign_key_check")]
+        problems += [f"foreign key: table {t} rowid {rid} -> {parent}" for t, rid, parent, _ in fk]
+        try:
+            revs = [r[0] for r in con.execute("SELECT version_num FROM alembic_version")]
+        except sqlite3.Error:
+            revs = []
+    finally:
+        con.close()
+    head = head_revision(chain)
+    current = ",".join(revs) or None
+    if current != head:
+        problems.append(f"revision {current or 'none'} is not head {head}")
+    return {"integrity": integrity, "foreign_key_errors": fk, "revision": current,
+            "head": head, "problems": problems}

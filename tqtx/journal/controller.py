@@ -1,46 +1,21 @@
-"""Controller and dump journals: SQLite files with forward-only state machines.
-
-* :class:`ControllerJournal` -- ``<state_dir>/journal.sqlite`` (WAL), alembic chain ``controller``.
-* :class:`DumpJournal` -- ``<dump_dir>.journal.sqlite`` (rollback journal, works on network
-  filesystems), alembic chain ``dump``.
-
-Every connection gets the pragmas listed in :func:`tqtx.journal.migrate.make_engine`; every
-transition is one ``BEGIN IMMEDIATE`` transaction, so concurrent writers from several
-processes serialize on the SQLite write lock instead of failing on lock upgrade. Opening a
-journal upgrades it to the head of its chain first, under a ``<db>.migrate.lock`` file lock
-(a new, empty dump journal is created at head under SQLite's write lock alone).
-
-The state machines are the tables of :mod:`tqtx.states`; every move goes through
-:func:`tqtx.states.check`: repeating a transition into the state a row is already in is a
-no-op (callers retry after lost replies), any other move it does not list raises
-:class:`~tqtx.states.IllegalTransition`.
-"""
+"""The controller journal, ``<state_dir>/journal.sqlite`` (WAL, alembic chain
+``controller``): incarnations, restores with their unit claims, dumps and recovery events.
+The buffer's metadata in the same file is :mod:`tqtx.journal.meta`'s."""
 from __future__ import annotations
 
 import os
-import sqlite3
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from sqlalchemy import Engine, select
-from sqlalchemy.exc import DatabaseError
 
 from .. import states as st
-from ..paths import controller_journal_path, records_location
+from ..paths import controller_journal_path
 from ..states import IllegalTransition, check
-from .base import _Journal, journal_writes, open_error, utcnow
+from .base import (_Journal, insert_row, journal_writes, restores_newest_first, select_rows,
+                   sql_marks, utcnow)
 from .meta import apply_change
-from .migrate import CONTROLLER, DUMP, make_engine, open_plain
-from .models import Dump, Incarnation, RecoveryEvent
+from .migrate import CONTROLLER
 
 # The reason the startup replay stores on the restores a previous incarnation left open.
 RESTART_REASON = "controller restarted"
-
-
-def _cols(obj, names) -> dict[str, Any]:
-    return {n: getattr(obj, n) for n in names}
-
 
 _INC_COLS = ("id", "started_at", "pid", "host", "address", "version", "state_dir", "ended_at")
 _DUMP_COLS = ("dump_id", "dump_dir", "partition_id", "keys", "rows_with_data", "bytes", "shards",
@@ -51,39 +26,6 @@ _RESTORE_COLS = ("restore_id", "partition_id", "dump_dir", "dump_id", "state", "
                  "finished_at")
 _UNIT_COLS = ("unit_id", "state", "rows", "bytes", "error")
 _UNITS_SQL = f"SELECT restore_id, {', '.join(_UNIT_COLS)} FROM restore_units"
-_PUB_COLS = ("attempt_id", "kind", "dump_id", "staging_dir", "phase", "error", "created_at",
-             "updated_at")
-_DRESTORE_COLS = ("restore_id", "controller_address", "incarnation_id", "controller_state_dir",
-                  "partition_id", "state", "created_at", "updated_at")
-
-
-# Plain SQL over a transaction's ``run`` (``exec_driver_sql``'s convention).
-def _marks(values) -> str:
-    """``?, ?, ...``: one parameter per value."""
-    return ", ".join("?" * len(values))
-
-
-def _select(run, table: str, cols: tuple, tail: str = "", params: tuple = ()) -> list[dict]:
-    """Rows of ``table`` (``tail``: the SQL after ``FROM table``) as dicts of ``cols``."""
-    rows = run(f"SELECT {', '.join(cols)} FROM {table} {tail}", params).fetchall()
-    return [dict(zip(cols, r)) for r in rows]
-
-
-def _insert(run, table: str, cols: tuple, row: dict) -> None:
-    run(f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({_marks(cols)})",
-        tuple(row[c] for c in cols))
-
-
-def _restores_newest_first(state, restore_id, limit) -> tuple[str, tuple]:
-    """The tail and parameters of a newest-first listing of restores (either journal's),
-    filtered by state and restore ID."""
-    where = [(c, v) for c, v in (("state", state), ("restore_id", restore_id)) if v is not None]
-    tail = (f"{'WHERE ' if where else ''}{' AND '.join(f'{c} = ?' for c, _ in where)} "
-            "ORDER BY created_at DESC, restore_id LIMIT ?")
-    return tail, (*(v for _, v in where), -1 if limit is None else limit)
-
-
-# --------------------------------------------------------------------------- controller
 
 
 class ControllerJournal(_Journal):
@@ -105,38 +47,36 @@ class ControllerJournal(_Journal):
 
     def start_incarnation(self, *, pid: int, host: str, address: str, version: str) -> int:
         """Record a controller start; returns the new incarnation id."""
-        with self._tx() as s:
-            inc = Incarnation(started_at=utcnow(), pid=pid, host=host, address=address,
-                              version=version, state_dir=str(self.state_dir))
-            s.add(inc)
-            s.flush()
-            return inc.id
+        with self._sql() as run:
+            return run("INSERT INTO incarnations (started_at, pid, host, address, version, "
+                       "state_dir) VALUES (?, ?, ?, ?, ?, ?)",
+                       (utcnow(), pid, host, address, version, str(self.state_dir))).lastrowid
 
     def end_incarnation(self, inc_id: int) -> None:
         """Stamp a clean controller shutdown (idempotent)."""
-        with self._tx() as s:
-            inc = s.get(Incarnation, inc_id)
-            if inc is None:
+        with self._sql() as run:
+            found = run("SELECT ended_at FROM incarnations WHERE id = ?", (inc_id,)).fetchall()
+            if not found:
                 raise KeyError(f"unknown incarnation {inc_id}")
-            if inc.ended_at is None:
-                inc.ended_at = utcnow()
+            if found[0][0] is None:
+                run("UPDATE incarnations SET ended_at = ? WHERE id = ?", (utcnow(), inc_id))
 
     def list_incarnations(self, limit: int | None = None) -> list[dict]:
         """Incarnations, newest first."""
-        with self._tx() as s:
-            q = select(Incarnation).order_by(Incarnation.id.desc()).limit(limit)
-            return [_cols(i, _INC_COLS) for i in s.scalars(q)]
+        with self._sql() as run:
+            return select_rows(run, "incarnations", _INC_COLS, "ORDER BY id DESC LIMIT ?",
+                               (-1 if limit is None else limit,))
 
     # restores -----------------------------------------------------------------------
 
     def _restore_dicts(self, run, where: str = "", params: tuple = ()) -> list[dict]:
         """Restores matching ``where`` (SQL after FROM restores), each with its claims."""
-        out = _select(run, "restores", _RESTORE_COLS, where, params)
+        out = select_rows(run, "restores", _RESTORE_COLS, where, params)
         units: dict[str, list[dict]] = {d["restore_id"]: [] for d in out}
         ids = list(units)
         for lo in range(0, len(ids), 500):  # SQLite bounds the parameters per statement
             chunk = tuple(ids[lo:lo + 500])
-            for r in run(f"{_UNITS_SQL} WHERE restore_id IN ({_marks(chunk)}) "
+            for r in run(f"{_UNITS_SQL} WHERE restore_id IN ({sql_marks(chunk)}) "
                          "ORDER BY restore_id, unit_id", chunk).fetchall():
                 units[r[0]].append(dict(zip(_UNIT_COLS, r[1:])))
         for d in out:
@@ -163,7 +103,7 @@ class ControllerJournal(_Journal):
                  "outcome": None, "reason": None, "keys": keys, "rows": rows, "bytes": bytes,
                  "incarnation_id": incarnation_id, "created_at": now, "updated_at": now,
                  "finished_at": None}
-            _insert(run, "restores", _RESTORE_COLS, r)
+            insert_row(run, "restores", _RESTORE_COLS, r)
             claims = [(restore_id, int(u), st.PENDING, now, now) for u in sorted(set(units))]
             if claims:
                 run("INSERT INTO restore_units (restore_id, unit_id, state, rows, bytes, "
@@ -291,7 +231,7 @@ class ControllerJournal(_Journal):
             if outcome != st.COMMITTED:
                 final = tuple(st.UNIT_FINAL)
                 run(f"UPDATE restore_units SET state = ?, updated_at = ? WHERE restore_id = ? "
-                    f"AND state NOT IN ({_marks(final)})",
+                    f"AND state NOT IN ({sql_marks(final)})",
                     (st.DROPPED, now, restore_id, *final))
                 for u in r["units"]:
                     if u["state"] not in final:
@@ -311,7 +251,7 @@ class ControllerJournal(_Journal):
     def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
                       limit: int | None = None) -> list[dict]:
         """Restores (newest first), optionally filtered by state or id."""
-        tail, params = _restores_newest_first(state, restore_id, limit)
+        tail, params = restores_newest_first(state, restore_id, limit)
         with self._sql() as run:
             return self._restore_dicts(run, tail, params)
 
@@ -319,7 +259,7 @@ class ControllerJournal(_Journal):
         """Restores not in a final state, oldest first."""
         final = tuple(st.RESTORE_FINAL)
         with self._sql() as run:
-            return self._restore_dicts(run, f"WHERE state NOT IN ({_marks(final)}) "
+            return self._restore_dicts(run, f"WHERE state NOT IN ({sql_marks(final)}) "
                                             "ORDER BY created_at, restore_id", final)
 
     # dumps / recovery -----------------------------------------------------------------
@@ -329,21 +269,22 @@ class ControllerJournal(_Journal):
                     incarnation_id: int | None) -> dict:
         """Record a published dump (idempotent by dump_id: an existing row is kept)."""
         with self._sql() as run:  # plain SQL: every dump ends with this
-            found = _select(run, "dumps", _DUMP_COLS, "WHERE dump_id = ?", (dump_id,))
+            found = select_rows(run, "dumps", _DUMP_COLS, "WHERE dump_id = ?", (dump_id,))
             if found:
                 return found[0]
             d = {"dump_id": dump_id, "dump_dir": os.fspath(dump_dir),
                  "partition_id": partition_id, "keys": keys, "rows_with_data": rows_with_data,
                  "bytes": bytes, "shards": shards, "incarnation_id": incarnation_id,
                  "created_at": utcnow()}
-            _insert(run, "dumps", _DUMP_COLS, d)
+            insert_row(run, "dumps", _DUMP_COLS, d)
             return d
 
     def list_dumps(self, limit: int | None = None) -> list[dict]:
         """Recorded dumps, newest first."""
-        with self._tx() as s:
-            q = select(Dump).order_by(Dump.created_at.desc(), Dump.dump_id).limit(limit)
-            return [_cols(d, _DUMP_COLS) for d in s.scalars(q)]
+        with self._sql() as run:
+            return select_rows(run, "dumps", _DUMP_COLS,
+                               "ORDER BY created_at DESC, dump_id LIMIT ?",
+                               (-1 if limit is None else limit,))
 
     def record_recovery(self, *, incarnation_id: int | None, kind: str, target: str,
                         action: str, detail: str = "") -> dict:
@@ -352,188 +293,14 @@ class ControllerJournal(_Journal):
         if kind not in ("restore", "publication", "buffer"):
             raise ValueError(f"recovery kind must be 'restore', 'publication' or 'buffer', "
                              f"not {kind!r}")
-        with self._tx() as s:
-            e = RecoveryEvent(incarnation_id=incarnation_id, at=utcnow(), kind=kind,
-                              target=os.fspath(target), action=action, detail=detail)
-            s.add(e)
-            s.flush()
-            return _cols(e, _EVENT_COLS)
+        e = {"incarnation_id": incarnation_id, "at": utcnow(), "kind": kind,
+             "target": os.fspath(target), "action": action, "detail": detail}
+        with self._sql() as run:
+            e["id"] = insert_row(run, "recovery_events", _EVENT_COLS[1:], e)
+        return {c: e[c] for c in _EVENT_COLS}
 
     def list_recovery_events(self, limit: int | None = None) -> list[dict]:
         """Recovery events, newest first."""
-        with self._tx() as s:
-            q = select(RecoveryEvent).order_by(RecoveryEvent.id.desc()).limit(limit)
-            return [_cols(e, _EVENT_COLS) for e in s.scalars(q)]
-
-
-# --------------------------------------------------------------------------- dump
-
-
-class DumpJournal(_Journal):
-    """Per-dump journal of publication attempts and of restores reading the dump."""
-
-    _chain = DUMP
-    _wal = False  # rollback journal: WAL needs shared memory, unusable on network filesystems
-
-    @staticmethod
-    def _damaged(message: str) -> Exception:
-        from ..errors import DumpFormatError
-        return DumpFormatError(message)
-
-    def __init__(self, dump_dir: str | os.PathLike, *, migrate: bool = True,
-                 state_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
-                 readonly: bool = False):
-        """Open (creating) the journal of ``dump_dir``: ``path`` if given, else where
-        :func:`tqtx.paths.records_location` puts it (beside the dump, or in ``state_dir``
-        for a dump on read-only storage). ``readonly``: an existing journal, read without
-        waiting for a writer (never created, migrated or written)."""
-        self.dump_dir = Path(os.path.abspath(os.fspath(dump_dir)))
-        journal = Path(path) if path is not None else records_location(self.dump_dir,
-                                                                        state_dir)[1]
-        if not readonly:
-            journal.parent.mkdir(parents=True, exist_ok=True)
-        self._open(journal, migrate, readonly)
-
-    # A dump makes ~8 small transactions on its journal: they run on one plain sqlite3
-    # connection (SQLAlchemy's layers cost several times the statements). An engine is
-    # made only for callers of .engine.
-
-    def _open(self, path: Path, migrate: bool, readonly: bool = False) -> None:
-        self.path, self._engine, self._plain = path, None, None
-        self._readonly = readonly
-        try:
-            self._plain = open_plain(path, self._chain, wal=self._wal, upgrade=migrate,
-                                     readonly=readonly)
-        except (sqlite3.DatabaseError, DatabaseError) as exc:
-            raise open_error(exc, path, self._chain, self._damaged) from None
-
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = make_engine(self.path, wal=self._wal, readonly=self._readonly)
-        return self._engine
-
-    @contextmanager
-    def _sql(self):
-        with journal_writes(self.path), self._plain.transaction() as run:
-            yield run
-
-    def close(self) -> None:
-        """Close the connection (and the engine's pool, if one was made)."""
-        if self._plain is not None:
-            self._plain.close()
-        if self._engine is not None:
-            self._engine.dispose()
-
-    # publications ---------------------------------------------------------------------
-
-    def _publication_rows(self, run, where: str = "", params: tuple = ()) -> list[dict]:
-        return _select(run, "publications", _PUB_COLS, where, params)
-
-    def begin_publication(self, *, attempt_id: str, kind: str, dump_id: str | None,
-                          staging_dir: str | os.PathLike) -> dict:
-        """Record a publication attempt in phase ``staging`` (idempotent by attempt_id)."""
-        if kind not in ("dump", "checkpoint"):
-            raise ValueError(f"publication kind must be 'dump' or 'checkpoint', not {kind!r}")
         with self._sql() as run:
-            found = self._publication_rows(run, "WHERE attempt_id = ?", (attempt_id,))
-            if found:
-                return found[0]
-            now = utcnow()
-            p = {"attempt_id": attempt_id, "kind": kind, "dump_id": dump_id,
-                 "staging_dir": os.fspath(staging_dir), "phase": st.STAGING, "error": None,
-                 "created_at": now, "updated_at": now}
-            _insert(run, "publications", _PUB_COLS, p)
-            return p
-
-    def set_phase(self, attempt_id: str, phase: str, error: str | None = None) -> dict:
-        """Move a publication along :data:`tqtx.states.PUBLICATION`."""
-        if phase not in st.PUBLICATION_PHASES:
-            raise IllegalTransition(f"publication {attempt_id!r}: unknown phase {phase!r}")
-        with self._sql() as run:
-            found = self._publication_rows(run, "WHERE attempt_id = ?", (attempt_id,))
-            if not found:
-                raise KeyError(f"unknown publication attempt {attempt_id!r}")
-            p = found[0]
-            before = (p["phase"], p["error"])
-            if check(st.PUBLICATION, p["phase"], phase, subject=f"publication {attempt_id!r}"):
-                p["phase"], p["updated_at"] = phase, utcnow()
-            if error is not None:
-                p["error"] = error
-            if (p["phase"], p["error"]) != before:  # a repeated move writes nothing
-                run("UPDATE publications SET phase = ?, error = ?, updated_at = ? "
-                    "WHERE attempt_id = ?", (p["phase"], p["error"], p["updated_at"], attempt_id))
-            return p
-
-    def get_publication(self, attempt_id: str) -> dict | None:
-        """One publication attempt, or None."""
-        with self._sql() as run:
-            found = self._publication_rows(run, "WHERE attempt_id = ?", (attempt_id,))
-        return found[0] if found else None
-
-    def publications(self, limit: int | None = None) -> list[dict]:
-        """Publication attempts, newest first."""
-        with self._sql() as run:
-            return self._publication_rows(run, "ORDER BY created_at DESC, attempt_id LIMIT ?",
-                                          (-1 if limit is None else limit,))
-
-    def unfinished_publications(self) -> list[dict]:
-        """Publication attempts not in a final phase, oldest first."""
-        final = tuple(st.PUBLICATION_FINAL)
-        with self._sql() as run:
-            return self._publication_rows(
-                run, f"WHERE phase NOT IN ({_marks(final)}) "
-                     "ORDER BY created_at, attempt_id", final)
-
-    # restores -------------------------------------------------------------------------
-
-    def _restore_row(self, run, restore_id: str) -> dict | None:
-        found = _select(run, "restores", _DRESTORE_COLS, "WHERE restore_id = ?", (restore_id,))
-        return found[0] if found else None
-
-    def begin_restore(self, *, restore_id: str, controller_address: str,
-                      incarnation_id: int | None, controller_state_dir: str | None,
-                      partition_id: str) -> dict:
-        """Record a restore reading this dump, state ``reading`` (idempotent by restore_id)."""
-        with self._sql() as run:
-            r = self._restore_row(run, restore_id)
-            if r is None:
-                now = utcnow()
-                r = {"restore_id": restore_id, "controller_address": controller_address,
-                     "incarnation_id": incarnation_id,
-                     "controller_state_dir": (None if controller_state_dir is None
-                                              else os.fspath(controller_state_dir)),
-                     "partition_id": partition_id, "state": st.READING, "created_at": now,
-                     "updated_at": now}
-                _insert(run, "restores", _DRESTORE_COLS, r)
-            return r
-
-    def finish_restore(self, restore_id: str, state: str) -> dict:
-        """reading -> committed|aborted|cancelled|failed (same state again is a no-op)."""
-        if state not in st.DUMP_RESTORE_FINAL:
-            raise IllegalTransition(f"restore {restore_id!r}: {state!r} is not a final state")
-        with self._sql() as run:
-            r = self._restore_row(run, restore_id)
-            if r is None:
-                raise KeyError(f"unknown restore {restore_id!r}")
-            if check(st.DUMP_RESTORE, r["state"], state, subject=f"restore {restore_id!r}"):
-                r["state"], r["updated_at"] = state, utcnow()
-                run("UPDATE restores SET state = ?, updated_at = ? WHERE restore_id = ?",
-                    (state, r["updated_at"], restore_id))
-            return r
-
-    def get_restore(self, restore_id: str) -> dict | None:
-        """One restore row, or None."""
-        with self._sql() as run:
-            return self._restore_row(run, restore_id)
-
-    def list_restores(self, *, state: str | None = None, restore_id: str | None = None,
-                      limit: int | None = None) -> list[dict]:
-        """Restore rows, newest first."""
-        tail, params = _restores_newest_first(state, restore_id, limit)
-        with self._sql() as run:  # plain SQL: every dump asks this (active_restores)
-            return _select(run, "restores", _DRESTORE_COLS, tail, params)
-
-    def active_restores(self) -> list[dict]:
-        """Restores still ``reading``."""
-        return list(reversed(self.list_restores(state=st.READING)))
+            return select_rows(run, "recovery_events", _EVENT_COLS, "ORDER BY id DESC LIMIT ?",
+                               (-1 if limit is None else limit,))
