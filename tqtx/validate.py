@@ -129,16 +129,16 @@ class Text(Kind):
 
 
 class Choice(Kind):
-    """One of ``values`` (str)."""
+    """One of ``values`` (str); ``also``: values still accepted but not named (deprecated)."""
 
-    def __init__(self, *values: str):
-        self.values = values
+    def __init__(self, *values: str, also: tuple[str, ...] = ()):
+        self.values, self.also = values, tuple(also)
         self.says = "one of " + ", ".join(repr(v) for v in values)
 
     def refuse(self, value) -> None:
         if not isinstance(value, str):
             raise Refused(TypeError)
-        if value not in self.values:
+        if value not in self.values and value not in self.also:
             raise Refused(ValueError)
 
 
