@@ -23,8 +23,8 @@ USER_FACING = ("tqtx.api", "tqtx.dataplane", "tqtx.client", "tqtx.dump",
 FACE = "tqtx"
 SERVERS = ("tqtx.controller", "tqtx.storage")
 # What journal/ and format/ may import from tqtx, besides their own package.
-LOW_LEVEL = ("tqtx.errors", "tqtx.paths", "tqtx.fsutil", "tqtx.states", "tqtx.schema", "tqtx.durability",
-             "tqtx.wire", "tqtx.faults")
+LOW_LEVEL = ("tqtx.errors", "tqtx.paths", "tqtx.fsutil", "tqtx.states", "tqtx.schema",
+             "tqtx.durability", "tqtx.wire", "tqtx.faults")
 LEAF_PACKAGES = ("tqtx.journal", "tqtx.format")
 TORCH_FREE = ("tqtx.controller", "tqtx.storage", "tqtx.journal", "tqtx.format", "tqtx.wire")
 TORCH = ("torch", "tensordict")

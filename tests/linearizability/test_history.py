@@ -2,8 +2,9 @@
 linearizability (see checker.py for the model and workload.py for the clients).
 
 Quick tier: ~10 s of 5 clients against 2 units. Slow tier: >= 2 minutes with unit and
-controller kills, and >= 2 minutes of whole-job kills with durability sync. Both assert no violation, no bare KeyError reaching a caller, and a minimum
-of successful ops of every kind (so neither can pass without having tested anything).
+controller kills, and >= 2 minutes of whole-job kills with durability sync. Each asserts no
+violation, no bare KeyError reaching a caller, and a minimum of successful ops of every kind
+(so none can pass without having tested anything).
 """
 from __future__ import annotations
 

@@ -135,8 +135,8 @@ def test_a_corrupt_entry_stops_the_replay_of_its_file_there(tmp_path):
         _close(again)
 
 
-def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(tmp_path,
-                                                                           monkeypatch):
+def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(
+        tmp_path, monkeypatch):
     monkeypatch.setattr(rl, "COMPACT_SLACK", 64 << 10)
     unit = _unit(tmp_path)
     unit.rowlog.segment_bytes = 32 << 10
@@ -243,7 +243,7 @@ def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
     # the power goes: the process never closes its log
     unit.server.stop()
     unit.pool.shutdown(wait=True)
-    unit.rowlog._lock_file.release()
+    unit.rowlog.files._lock.release()
     unit.server.socket.close(linger=0)
     unit.server._wake.close(linger=0)
     log_dir = tmp_path / "log"
@@ -262,8 +262,8 @@ def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
         _close(again)
 
 
-def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(tmp_path,
-                                                                            monkeypatch):
+def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(
+        tmp_path, monkeypatch):
     import errno
 
     full = threading.Event()

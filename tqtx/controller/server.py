@@ -287,7 +287,6 @@ class Controller:
         self.server.stop()
         return {"ok": True}
 
-
     def _durable_cut(self) -> None:
         """Durability ``"buffer"``: make what was committed durable once the interval is up
         (run by the loop after each turn, so on the journal connection's thread)."""

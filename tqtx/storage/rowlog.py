@@ -1,27 +1,13 @@
 """A unit's rows on disk (durability ``buffer`` and ``sync``): an append-only log, replayed
 when the unit starts again on the same data directory.
 
-The data directory (:func:`tqtx.durability.unit_dir`) holds::
-
-    lock            flock of the unit process that owns the directory
-    seg-<n>.log     entries in the order the unit applied them
-    base-<n>.log    every live row at the moment segment <n> was opened (a compaction)
-    base-<n>.tmp    a base being written: ignored and removed by the next replay
-
-An entry is ``b"TQLE" kind:u8 index:i64 generation:i64 length:u32 crc:u32`` and ``length``
-bytes of body, ``crc`` the CRC-32C of the body:
-
-``ROW``    a record of the dump format (:mod:`tqtx.format.records`): the fields a put or an
-           applied restore stored at ``index`` as ``generation`` (merged into a row of that
-           generation, replacing an older one: :meth:`StorageUnit.store_row`)
-``DROP``   msgpack ``[[index, ...], [generation, ...]]``: those rows were dropped
-``RESET``  empty: every row went (a checkpoint's rows follow as ``ROW`` entries)
-
-Replay reads the newest base, then the segments from its number on. A torn entry at the end
-of a file (a crash in the middle of a write) ends that file; so does a bad entry elsewhere,
-which is logged: the controller then names the rows it misses lost when the unit registers.
-The (index, generation) pair names the key incarnation: the controller reconciles by it and
-drops rows no committed put accounts for.
+The files and entries are :mod:`tqtx.format.rowlog`'s: segments of entries (a row stored, rows
+dropped, every row replaced) in the order the unit applied them, and bases (every live row
+when a segment was opened). Replay reads the newest base, then the segments from its number
+on. A torn entry at the end of a file (a crash in the middle of a write) ends that file; so
+does a bad entry elsewhere, which is logged: the controller then names the rows it misses
+lost when the unit registers. The (index, generation) pair names the key incarnation: the
+controller reconciles by it and drops rows no committed put accounts for.
 
 The request loop only queues what a request changed (rows are never changed in place once
 stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
@@ -37,30 +23,21 @@ are refused.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import re
-import struct
 import threading
 import time
 from typing import Callable
 
-import filelock
-
 from .. import faults, fsutil
-from ..format.records import RecordEncoder, checksum, decode_record, encode_record_parts
-from ..wire import codec
-from ..wire.values import RawTensor
+from ..format import rowlog as fl
+from ..format.records import RecordEncoder
+from .logdir import LogDir
 
 log = logging.getLogger("tqtx.unit")
 
-ROW, DROP, RESET = 1, 2, 3
-_ENTRY = struct.Struct("<4sBqqII")
-_MAGIC = b"TQLE"
 # a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack
 SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(64 << 20)))
 COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
-_NAME = re.compile(r"^(seg|base)-(\d{8})\.(log|tmp)$")
 
 
 class _Rotate:
@@ -85,12 +62,7 @@ class RowLog:
         self.dir, self.sync, self.interval = os.fspath(directory), sync, interval
         self.live_bytes, self.snapshot = live_bytes, snapshot
         self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
-        os.makedirs(self.dir, exist_ok=True)
-        self._lock_file = filelock.FileLock(os.path.join(self.dir, "lock"))
-        try:
-            self._lock_file.acquire(timeout=0)
-        except filelock.Timeout:
-            raise RuntimeError(f"{self.dir}: another unit process holds this row log") from None
+        self.files = LogDir(self.dir)
         self._encoder = RecordEncoder()  # the writer's
         self._batch: list = []        # this request's changes (loop only)
         self._queue: list = []        # batches, waiters and rotations for the writer
@@ -112,88 +84,24 @@ class RowLog:
     # ---------------------------------------------------------------- replay
     def replay(self, store: Callable[[int, int, dict], object],
                drop: Callable[[int, int], object], reset: Callable[[], object]) -> dict:
-        """Apply the log to the unit through ``store(index, gen, values)``,
-        ``drop(index, gen)`` and ``reset()``; then open a new segment for what follows.
-        Returns ``{"entries", "bytes", "files", "seconds", "torn"}``."""
-        t0 = time.perf_counter()
-        files = self._files()
-        bases = [n for kind, n in files if kind == "base"]
-        start = max(bases) if bases else 0
-        order = ([("base", start)] if bases else []) + \
-            sorted((k, n) for k, n in files if k == "seg" and n >= start)
-        stats = {"entries": 0, "bytes": 0, "files": len(order), "torn": []}
-        for kind, n in order:
-            path = self._path(kind, n)
-            entries, good, size = self._replay_file(path, store, drop, reset)
-            stats["entries"] += entries
-            stats["bytes"] += good
-            if good != size:
-                stats["torn"].append(path)
-                log.warning("row log %s: %d bytes after offset %d are not a whole entry "
-                            "(a write the process did not finish); the entries before are "
-                            "replayed", path, size - good, good)
-        for kind, n in files:
-            if (kind, n) not in order:
-                self._remove(self._path(kind, n))
-        self._number = max([n for _k, n in files] + [0])
-        self._disk = sum(os.path.getsize(self._path(k, n)) for k, n in order)
+        """Apply the log to the unit (see :meth:`LogDir.replay`), then open a new segment
+        for what follows."""
+        stats, self._number, self._disk = self.files.replay(store, drop, reset)
         self._open_segment()
-        stats["seconds"] = time.perf_counter() - t0
         return stats
-
-    def _replay_file(self, path: str, store, drop, reset) -> tuple[int, int, int]:
-        """``(entries applied, bytes of whole entries, file size)``."""
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                return 0, 0, 0
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    return self._replay_view(view, size, path, store, drop, reset) + (size,)
-                finally:
-                    view.release()
-
-    @staticmethod
-    def _replay_view(view, size, path, store, drop, reset) -> tuple[int, int]:
-        pos = entries = 0
-        head = _ENTRY.size
-        while pos + head <= size:
-            magic, kind, idx, gen, length, crc = _ENTRY.unpack_from(view, pos)
-            end = pos + head + length
-            if magic != _MAGIC or end > size:
-                break
-            body = view[pos + head:end]
-            if checksum(body) != crc:
-                break
-            if kind == ROW:
-                _gidx, row = decode_record(body, expected_gidx=idx, where=f"{path} at {pos}")
-                store(idx, gen, {f: _owned(v) for f, v in row.items()})
-            elif kind == DROP:
-                indexes, gens = codec.unpackb(bytes(body))
-                for i, g in zip(indexes, gens):
-                    drop(i, g)
-            elif kind == RESET:
-                reset()
-            else:
-                break
-            body.release()
-            entries += 1
-            pos = end
-        return entries, pos
 
     # ---------------------------------------------------------------- queueing (loop)
     def row(self, idx: int, gen: int, values: dict) -> None:
         """Log ``values`` stored at ``idx`` as generation ``gen`` (queued by :meth:`write`)."""
-        self._batch.append((ROW, idx, gen, values))
+        self._batch.append((fl.ROW, idx, gen, values))
 
     def drop(self, indexes: list[int], gens: list[int]) -> None:
         """Log that the rows at ``indexes`` of generations ``gens`` were dropped."""
-        self._batch.append((DROP, list(indexes), list(gens)))
+        self._batch.append((fl.DROP, list(indexes), list(gens)))
 
     def reset(self) -> None:
         """Log that every row went (a checkpoint replaced them; its rows follow)."""
-        self._batch.append((RESET,))
+        self._batch.append((fl.RESET,))
 
     @property
     def dirty(self) -> bool:
@@ -271,7 +179,7 @@ class RowLog:
             if waiters or due or stopping:
                 self._sync_and_reply(waiters)
                 last_sync = time.monotonic()
-            if stopping and not self._queue:
+            if stopping:  # what a failing disk still holds back is lost with the process
                 return
 
     def _write_items(self, items: list) -> list:
@@ -309,22 +217,22 @@ class RowLog:
         encoder = self._encoder
         for entry in batch:
             kind = entry[0]
-            if kind == ROW:
+            if kind == fl.ROW:
                 _k, idx, gen, values = entry
-                head, large, length = encode_record_parts(idx, values, encoder, gen=gen,
-                                                          partition_id="", key="")
-                crc = checksum(head)
-                for buf in large:
-                    crc = checksum(buf, crc)
-                bufs += (_ENTRY.pack(_MAGIC, ROW, idx, gen, length, crc), head, *large)
-            elif kind == DROP:
-                body = codec.packb([entry[1], entry[2]])
-                length = len(body)
-                bufs += (_ENTRY.pack(_MAGIC, DROP, 0, 0, length, checksum(body)), body)
+                try:
+                    more, n = fl.encode_row(idx, gen, values, encoder)
+                except (TypeError, ValueError) as exc:
+                    # not a transient failure: skip the row rather than block the log (a
+                    # recovery names it lost)
+                    log.error("row log %s: row %d (generation %d) cannot be logged: %s",
+                              self.dir, idx, gen, exc)
+                    continue
+            elif kind == fl.DROP:
+                more, n = fl.encode_drop(entry[1], entry[2])
             else:
-                length = 0
-                bufs.append(_ENTRY.pack(_MAGIC, RESET, 0, 0, 0, checksum(b"")))
-            size += _ENTRY.size + length
+                more, n = fl.encode_reset()
+            bufs += more
+            size += n
         faults.hit("unit.rowlog.before_append")
         try:
             fsutil.writev_all(self._fd, bufs)
@@ -353,7 +261,7 @@ class RowLog:
 
     def _open_segment(self) -> None:
         self._number += 1
-        path = self._path("seg", self._number)
+        path = self.files.path(fl.SEGMENT, self._number)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._size = 0
         self._dir_dirty = True
@@ -403,7 +311,7 @@ class RowLog:
                          name="tqtx-rowlog-compact", daemon=True).start()
 
     def _write_base(self, number: int, rows: dict, gens: dict) -> None:
-        tmp, final = self._path("base", number, tmp=True), self._path("base", number)
+        tmp, final = self.files.path(fl.BASE, number, tmp=True), self.files.path(fl.BASE, number)
         try:
             encoder = RecordEncoder()
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -411,14 +319,9 @@ class RowLog:
             try:
                 bufs: list = []
                 for idx, row in rows.items():
-                    gen = gens[idx]
-                    head, large, length = encode_record_parts(idx, row, encoder, gen=gen,
-                                                              partition_id="", key="")
-                    crc = checksum(head)
-                    for buf in large:
-                        crc = checksum(buf, crc)
-                    bufs += (_ENTRY.pack(_MAGIC, ROW, idx, gen, length, crc), head, *large)
-                    size += _ENTRY.size + length
+                    more, n = fl.encode_row(idx, gens[idx], row, encoder)
+                    bufs += more
+                    size += n
                     if len(bufs) >= 512:
                         fsutil.writev_all(fd, bufs)
                         bufs = []
@@ -431,11 +334,11 @@ class RowLog:
             fsutil.fsync_dir(self.dir)
             faults.hit("unit.rowlog.compact.after_rename")
             freed = 0
-            for kind, n in self._files():
+            for kind, n in self.files.list():
                 if n < number:
-                    path = self._path(kind, n)
+                    path = self.files.path(kind, n)
                     freed += os.path.getsize(path)
-                    self._remove(path)
+                    self.files.remove(path)
             with self._cond:
                 self._disk += size - freed
             self.compactions += 1
@@ -443,7 +346,7 @@ class RowLog:
                      len(rows), size, freed)
         except BaseException as exc:  # the log stays as it was: replay does not need a base
             log.error("row log %s: compaction failed: %r", self.dir, exc)
-            self._remove(tmp)
+            self.files.remove(tmp)
             self._failed_at = self._disk  # not again before the files grew further
             self._compacting = False
             return
@@ -466,40 +369,7 @@ class RowLog:
             if fd >= 0:
                 os.close(fd)
         self._sealed, self._fd = [], -1
-        if remove:
-            for kind, n in self._files():
-                self._remove(self._path(kind, n))
-        self._lock_file.release()
-        if remove:
-            self._remove(os.path.join(self.dir, "lock"))
-            try:
-                os.rmdir(self.dir)
-            except OSError:
-                pass  # something else is in there: not ours to remove
-
-    # ---------------------------------------------------------------- files
-    def _path(self, kind: str, number: int, *, tmp: bool = False) -> str:
-        return os.path.join(self.dir, f"{kind}-{number:08d}.{'tmp' if tmp else 'log'}")
-
-    def _files(self) -> list[tuple[str, int]]:
-        """``(kind, number)`` of this log's files (``.tmp`` leftovers are removed)."""
-        out = []
-        for name in os.listdir(self.dir):
-            m = _NAME.match(name)
-            if m is None:
-                continue
-            if m.group(3) == "tmp":
-                self._remove(os.path.join(self.dir, name))
-            else:
-                out.append((m.group(1), int(m.group(2))))
-        return sorted(out)
-
-    @staticmethod
-    def _remove(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        self.files.release(remove=remove)
 
 
 def _lower_priority() -> None:
@@ -510,10 +380,3 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):
         pass
-
-
-def _owned(value):
-    """A replayed value that owns its bytes (not a view of the mapped log file)."""
-    if type(value) is RawTensor and type(value.data) is memoryview:
-        return value.compact()
-    return value

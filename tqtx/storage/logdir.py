@@ -1,0 +1,144 @@
+"""A unit's row log directory: owned by one unit process, listed, replayed, removed.
+
+The files are :mod:`tqtx.format.rowlog`'s; :mod:`tqtx.storage.rowlog` writes them. Replay
+applies the newest base, then the segments from its number on, each up to its last whole
+entry (a crash in the middle of a write leaves a torn tail, which is logged and left
+behind); files an earlier compaction replaced, and unfinished bases, are removed.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from typing import Callable
+
+import filelock
+
+from ..format import rowlog as fl
+from ..wire.values import RawTensor
+
+log = logging.getLogger("tqtx.unit")
+
+LOCK = "lock"
+
+
+class LogDir:
+    """The row log directory ``directory``, held (flock) by this process: a second unit
+    process on it is refused."""
+
+    def __init__(self, directory: str):
+        self.dir = os.fspath(directory)
+        os.makedirs(self.dir, exist_ok=True)
+        self._lock = filelock.FileLock(os.path.join(self.dir, LOCK))
+        try:
+            self._lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise RuntimeError(f"{self.dir}: another unit process holds this row log") from None
+
+    def path(self, kind: str, number: int, *, tmp: bool = False) -> str:
+        return os.path.join(self.dir, fl.file_name(kind, number, tmp=tmp))
+
+    def list(self) -> list[tuple[str, int]]:
+        """``(kind, number)`` of the log's files, sorted (unfinished bases are removed)."""
+        out = []
+        for name in os.listdir(self.dir):
+            parsed = fl.parse_name(name)
+            if parsed is None:
+                continue
+            kind, number, tmp = parsed
+            if tmp:
+                self.remove(os.path.join(self.dir, name))
+            else:
+                out.append((kind, number))
+        return sorted(out)
+
+    @staticmethod
+    def remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def replay(self, store: Callable[[int, int, dict], object],
+               drop: Callable[[int, int], object],
+               reset: Callable[[], object]) -> tuple[dict, int, int]:
+        """Apply the log through ``store(index, gen, values)``, ``drop(index, gen)`` and
+        ``reset()``. Returns ``(stats, highest file number, bytes of the files replayed)``,
+        stats ``{"entries", "bytes", "files", "seconds", "torn"}``."""
+        t0 = time.perf_counter()
+        files = self.list()
+        bases = [n for kind, n in files if kind == fl.BASE]
+        start = max(bases) if bases else 0
+        order = ([(fl.BASE, start)] if bases else []) + \
+            sorted((k, n) for k, n in files if k == fl.SEGMENT and n >= start)
+        stats = {"entries": 0, "bytes": 0, "files": len(order), "torn": []}
+        for kind, n in order:
+            path = self.path(kind, n)
+            entries, good, size = _replay_file(path, store, drop, reset)
+            stats["entries"] += entries
+            stats["bytes"] += good
+            if good != size:
+                stats["torn"].append(path)
+                log.warning("row log %s: %d bytes after offset %d are not a whole entry "
+                            "(a write the process did not finish); the entries before are "
+                            "replayed", path, size - good, good)
+        for kind, n in files:
+            if (kind, n) not in order:
+                self.remove(self.path(kind, n))
+        disk = sum(os.path.getsize(self.path(k, n)) for k, n in order)
+        stats["seconds"] = time.perf_counter() - t0
+        return stats, max([n for _k, n in files] + [0]), disk
+
+    def release(self, *, remove: bool = False) -> None:
+        """Let go of the directory; with ``remove`` delete the log's files first (and the
+        directory, if nothing else is in it: other files are not ours to remove)."""
+        if remove:
+            for kind, n in self.list():
+                self.remove(self.path(kind, n))
+        self._lock.release()
+        if remove:
+            self.remove(os.path.join(self.dir, LOCK))
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass
+
+
+def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:
+    """``(entries applied, bytes of whole entries, file size)`` of one file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return 0, 0, 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                entries = 0
+                reader = fl.EntryReader(view, size)
+                for entry in reader:
+                    _apply(entry, f"{path} at {reader.end}", store, drop, reset)
+                    entries += 1
+                return entries, reader.end, size
+            finally:
+                view.release()
+
+
+def _apply(entry, where: str, store, drop, reset) -> None:
+    """Apply one entry (its views of the mapped file end with this call)."""
+    kind, idx, gen, body = entry
+    if kind == fl.ROW:
+        row = fl.decode_row(body, idx, where)
+        store(idx, gen, {f: _owned(v) for f, v in row.items()})
+    elif kind == fl.DROP:
+        for i, g in zip(*fl.decode_drop(body)):
+            drop(i, g)
+    else:
+        reset()
+
+
+def _owned(value):
+    """A replayed value that owns its bytes (not a view of the mapped log file)."""
+    if type(value) is RawTensor and type(value.data) is memoryview:
+        return value.compact()
+    return value
