@@ -144,10 +144,15 @@ def test_every_earlier_value_maps_to_its_replacement(old, new):
         assert durable.normalise_config({"durability": new}) == {"durability": new}
 
 
-def test_an_earlier_value_in_the_environment_is_mapped_with_a_warning(monkeypatch):
+def test_an_earlier_value_in_the_environment_is_mapped_with_a_warning(monkeypatch, tq_start):
     monkeypatch.setenv(dur.ENV_DURABILITY, "off")
     with pytest.warns(DeprecationWarning, match="\\$TQTX_DURABILITY 'off'"):
         assert durable.resolve({}).durability == "memory"
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = tq_start(1)
+    assert len([w for w in caught if "TQTX_DURABILITY" in str(w.message)]) == 1
+    assert _controller_stats()["durability"] == "memory"
+    assert _proc_env(cfg["pids"]["unit 0"])[dur.ENV_DURABILITY] == "memory"
 
 
 # --------------------------------------------------------------------------- every process

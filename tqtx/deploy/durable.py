@@ -78,6 +78,11 @@ class DurabilitySetting:
                 dur.ENV_FLUSH_INTERVAL: repr(float(self.flush_interval_s)),
                 dur.ENV_UNIT_DATA_DIR: self.unit_data_base(state_dir, expand_user=expand_user)}
 
+    def config(self) -> dict:
+        """The setting as ``tq.init`` config keys."""
+        return {"durability": self.durability, "flush_interval_s": self.flush_interval_s,
+                "unit_data_dir": self.unit_data_dir}
+
     def record(self, state_dir: str) -> dict:
         """The owner record's fields (``deployment.json``)."""
         return {"durability": self.durability, "flush_interval_s": self.flush_interval_s,
