@@ -227,6 +227,19 @@ def test_buffer_makes_one_durable_cut_per_interval_with_commits(tq_start, tmp_pa
         time.sleep(0.05)
 
 
+def test_a_clean_stop_makes_the_last_cut(tq_start, tmp_path):
+    """With an interval that never comes, the commits are made durable when the controller
+    stops (SIGTERM at close); keep_buffer leaves them in the journal to see."""
+    state = str(tmp_path / "state")
+    tq_start(1, state_dir=state, durability="buffer", flush_interval_s=3600)
+    _put(["a", "b"])
+    assert _controller_stats()["durable_cuts"] == 0
+    tq.close(keep_buffer=True)
+    assert _journal_count(state, "SELECT CAST(value AS INTEGER) FROM meta_markers "
+                                 "WHERE name = 'durable_cut'") == 1
+    assert _journal_count(state, "SELECT count(*) FROM meta_keys") == 2
+
+
 @pytest.mark.parametrize("durability", ["controller", "sync"])
 def test_no_cuts_without_buffer(tq_start, durability):
     tq_start(1, durability=durability)
