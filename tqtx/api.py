@@ -106,6 +106,10 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
                        "incarnation": topo["incarnation"]}
             _client = client
             return dict(_config)
+        from .deploy.durable import resolve as resolve_durability
+        # before anything starts: a refused $TQTX_* value names its variable, an earlier
+        # one warns once here; what follows reads the mapped setting from cfg
+        cfg.update(resolve_durability(cfg).config())
         if warm is None and cfg.get("placement") == "ray":
             _warm_dump_path()  # this process places the deployment on the cluster
         from .placement.ray_init import init_on_ray  # imports Ray only if asked or loaded

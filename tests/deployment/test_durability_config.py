@@ -144,10 +144,15 @@ def test_every_earlier_value_maps_to_its_replacement(old, new):
         assert durable.normalise_config({"durability": new}) == {"durability": new}
 
 
-def test_an_earlier_value_in_the_environment_is_mapped_with_a_warning(monkeypatch):
+def test_an_earlier_value_in_the_environment_is_mapped_with_a_warning(monkeypatch, tq_start):
     monkeypatch.setenv(dur.ENV_DURABILITY, "off")
     with pytest.warns(DeprecationWarning, match="\\$TQTX_DURABILITY 'off'"):
         assert durable.resolve({}).durability == "memory"
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = tq_start(1)
+    assert len([w for w in caught if "TQTX_DURABILITY" in str(w.message)]) == 1
+    assert _controller_stats()["durability"] == "memory"
+    assert _proc_env(cfg["pids"]["unit 0"])[dur.ENV_DURABILITY] == "memory"
 
 
 # --------------------------------------------------------------------------- every process
@@ -227,6 +232,19 @@ def test_buffer_makes_one_durable_cut_per_interval_with_commits(tq_start, tmp_pa
         time.sleep(0.05)
 
 
+def test_a_clean_stop_makes_the_last_cut(tq_start, tmp_path):
+    """With an interval that never comes, the commits are made durable when the controller
+    stops (SIGTERM at close); keep_buffer leaves them in the journal to see."""
+    state = str(tmp_path / "state")
+    tq_start(1, state_dir=state, durability="buffer", flush_interval_s=3600)
+    _put(["a", "b"])
+    assert _controller_stats()["durable_cuts"] == 0
+    tq.close(keep_buffer=True)
+    assert _journal_count(state, "SELECT CAST(value AS INTEGER) FROM meta_markers "
+                                 "WHERE name = 'durable_cut'") == 1
+    assert _journal_count(state, "SELECT count(*) FROM meta_keys") == 2
+
+
 @pytest.mark.parametrize("durability", ["controller", "sync"])
 def test_no_cuts_without_buffer(tq_start, durability):
     tq_start(1, durability=durability)
@@ -283,3 +301,65 @@ def test_in_process_deployments_take_the_setting(tmp_path, monkeypatch):
         assert dep.durability.env(dep.state_dir)[dur.ENV_UNIT_DATA_DIR] == \
             os.path.join(dep.state_dir, "units")
     assert dur.ENV_DURABILITY not in os.environ  # set only while its units were made
+
+
+# --------------------------------------------------------------------------- command lines
+@pytest.mark.parametrize("given, want", [("buffer", "buffer"), ("normal", "controller")])
+def test_the_controller_command_takes_the_setting(tmp_path, given, want):
+    """``python -m tqtx.controller --durability`` (an earlier value mapped, with a logged
+    warning) and ``--flush-interval-s``, over $TQTX_DURABILITY."""
+    import subprocess
+    import sys
+
+    from tqtx.deploy.local import _read_announcement
+    from tqtx.proc import controller_command, stop_child
+    from tqtx.wire.peer import Peer
+    args = controller_command(num_units=1, state_dir=str(tmp_path / "state"), host="127.0.0.1",
+                              port=0)
+    proc = subprocess.Popen([sys.executable, *args, "--durability", given,
+                             "--flush-interval-s", "0.5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env={**os.environ, dur.ENV_DURABILITY: "memory"})
+    try:
+        ready = _read_announcement(proc, "controller", 60)["ready"]
+        peer = Peer(ready, "controller", timeout=10)
+        try:
+            st = peer.call("STATS")
+        finally:
+            peer.close()
+        assert (st["durability"], st["flush_interval_s"]) == (want, 0.5)
+    finally:
+        stop_child(proc)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert (f"durability {given!r} is deprecated; use {want!r}" in err) == (given != want)
+
+
+def test_a_refused_setting_is_the_controllers_start_error(tmp_path):
+    import subprocess
+    import sys
+
+    from tqtx.deploy.local import _read_announcement
+    from tqtx.proc import controller_command, stop_child
+    args = controller_command(num_units=1, state_dir=str(tmp_path / "state"), host="127.0.0.1",
+                              port=0)
+    proc = subprocess.Popen([sys.executable, *args, "--durability", "fast"],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        msg = _read_announcement(proc, "controller", 60)
+    finally:
+        stop_child(proc)
+    assert msg["error"] == "ValueError" and "'fast'" in msg["message"]
+
+
+def test_tqtx_serve_options_are_checked():
+    import click
+
+    from tqtx.cli.serve import _durability_env
+    assert _durability_env("sync", 0.5, "rows") == {
+        dur.ENV_DURABILITY: "sync", dur.ENV_FLUSH_INTERVAL: "0.5", dur.ENV_UNIT_DATA_DIR: "rows"}
+    assert _durability_env(None, None, None) == {}
+    with pytest.raises(click.BadParameter, match="--durability 'fast'"):
+        _durability_env("fast", None, None)
+    with pytest.raises(click.BadParameter, match="flush_interval_s"):
+        _durability_env(None, 0, None)

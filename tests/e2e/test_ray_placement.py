@@ -171,6 +171,26 @@ def test_units_pinned_round_robin_and_reported(cluster, ray_tq):
     assert all(_proc_alive(p) for p in info["pids"].values())
 
 
+def test_the_durability_setting_reaches_units_on_other_nodes(cluster, ray_tq, monkeypatch):
+    """A server's environment is its node's: the driver hands the mapped setting to every
+    unit; a "~" unit data dir is expanded by the unit's node."""
+    monkeypatch.delenv("TQTX_UNIT_DATA_DIR", raising=False)
+    monkeypatch.setenv("TQTX_FLUSH_INTERVAL_S", "0.5")
+    with pytest.warns(DeprecationWarning, match="'off' is deprecated; use 'memory'"):
+        info = ray_tq(num_units=2, unit_node_resource="storage", durability="off",
+                      unit_data_dir="~/tqtx-rows")
+    assert info["durability"] == "memory"
+    stats = tq.get_client().stats()
+    assert (stats["controller"]["durability"], stats["controller"]["flush_interval_s"]) == \
+        ("memory", 0.5)
+    for uid in range(2):
+        with open(f"/proc/{info['pids'][f'unit {uid}']}/environ", "rb") as f:
+            env = dict(i.decode().split("=", 1) for i in f.read().split(b"\0") if b"=" in i)
+        assert (env["TQTX_DURABILITY"], env["TQTX_FLUSH_INTERVAL_S"],
+                env["TQTX_UNIT_DATA_DIR"]) == ("memory", "0.5",
+                                               os.path.expanduser("~/tqtx-rows"))
+
+
 def test_dump_by_units_on_two_nodes_restores_on_other_count_and_nodes(cluster, ray_tq, tmp_path,
                                                                     pid):
     ids = cluster["ids"]

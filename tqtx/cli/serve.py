@@ -20,8 +20,14 @@ def _durability_env(durability, flush_interval_s, unit_data_dir) -> dict:
     env = {}
     try:
         if durability is not None:
-            from ..deploy.durable import mapped
-            env[dur.ENV_DURABILITY] = mapped(durability, "--durability")
+            try:
+                env[dur.ENV_DURABILITY] = dur.check(durability, warn=False)
+            except ValueError:
+                raise ValueError(f"--durability {durability!r}: expected one of "
+                                 f"{', '.join(dur.DURABILITY)}") from None
+            if env[dur.ENV_DURABILITY] != durability:
+                click.echo(f"warning: --durability {durability!r} is deprecated; use "
+                           f"{env[dur.ENV_DURABILITY]!r}", err=True)
         if flush_interval_s is not None:
             env[dur.ENV_FLUSH_INTERVAL] = repr(dur.check_interval(flush_interval_s))
     except ValueError as exc:

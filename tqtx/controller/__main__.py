@@ -22,18 +22,22 @@ def main(argv=None) -> int:
                          "$TQTX_FLUSH_INTERVAL_S, else 1.0)")
     args = ap.parse_args(argv)
     from .. import durability as dur
-    try:
-        env_durability, env_interval = dur.from_env()
-        durability = env_durability if args.durability is None else dur.check(args.durability)
-        interval = (env_interval if args.flush_interval_s is None
-                    else dur.check_interval(args.flush_interval_s))
-    except ValueError as exc:
-        ap.error(str(exc))
     from ..proc import announce, setup_logging, stop_on_signals, watch_parent
     watch_parent(args.parent_fd)
     setup_logging(log_file=args.log_file, name="controller")
     from ..security import server_curve_for, client_curve_for
     try:
+        # the options win over $TQTX_DURABILITY / $TQTX_FLUSH_INTERVAL_S
+        given = args.durability or os.environ.get(dur.ENV_DURABILITY) or dur.DEFAULT
+        durability = dur.check(given, warn=False)
+        if durability != given:  # a process's own DeprecationWarning is hidden by default
+            import logging
+            logging.getLogger("tqtx.controller").warning(
+                "durability %r is deprecated; use %r (docs/reliability.md, Durability)",
+                given, durability)
+        interval = dur.check_interval(args.flush_interval_s if args.flush_interval_s
+                                      is not None else os.environ.get(dur.ENV_FLUSH_INTERVAL)
+                                      or dur.FLUSH_INTERVAL_S)
         from .server import Controller
         ctl = Controller(num_units=args.units, state_dir=args.state_dir, host=args.host,
                          port=args.port, curve=server_curve_for(args.host, args.state_dir),

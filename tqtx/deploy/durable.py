@@ -78,6 +78,11 @@ class DurabilitySetting:
                 dur.ENV_FLUSH_INTERVAL: repr(float(self.flush_interval_s)),
                 dur.ENV_UNIT_DATA_DIR: self.unit_data_base(state_dir, expand_user=expand_user)}
 
+    def config(self) -> dict:
+        """The setting as ``tq.init`` config keys."""
+        return {"durability": self.durability, "flush_interval_s": self.flush_interval_s,
+                "unit_data_dir": self.unit_data_dir}
+
     def record(self, state_dir: str) -> dict:
         """The owner record's fields (``deployment.json``)."""
         return {"durability": self.durability, "flush_interval_s": self.flush_interval_s,
@@ -103,15 +108,17 @@ def resolve(cfg: Mapping | None = None, environ: Mapping | None = None) -> Durab
     key or the variable for a value that is refused."""
     cfg = cfg or {}
     env = {**(os.environ if environ is None else environ), **(cfg.get("env") or {})}
-    value = cfg.get("durability")
-    durability = (mapped(value, "config key 'durability'") if value is not None
-                  else mapped(env[dur.ENV_DURABILITY], f"${dur.ENV_DURABILITY}")
-                  if env.get(dur.ENV_DURABILITY) else dur.DEFAULT)
-    interval = cfg.get("flush_interval_s")
+    durability = dur.DEFAULT
+    if cfg.get("durability") is not None:
+        durability = mapped(cfg["durability"], "config key 'durability'")
+    elif env.get(dur.ENV_DURABILITY):
+        durability = mapped(env[dur.ENV_DURABILITY], f"${dur.ENV_DURABILITY}")
+    interval = dur.FLUSH_INTERVAL_S
     try:
-        interval = (dur.check_interval(interval) if interval is not None
-                    else dur.check_interval(env[dur.ENV_FLUSH_INTERVAL])
-                    if env.get(dur.ENV_FLUSH_INTERVAL) else dur.FLUSH_INTERVAL_S)
+        if cfg.get("flush_interval_s") is not None:
+            interval = dur.check_interval(cfg["flush_interval_s"])
+        elif env.get(dur.ENV_FLUSH_INTERVAL):
+            interval = dur.check_interval(env[dur.ENV_FLUSH_INTERVAL])
     except ValueError as exc:
         where = ("config key" if cfg.get("flush_interval_s") is not None
                  else f"${dur.ENV_FLUSH_INTERVAL}:")
