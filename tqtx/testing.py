@@ -19,6 +19,7 @@ import threading
 
 from .client.client import Client
 from .controller.server import Controller
+from .storage.rowlog import row_log_options
 from .storage.unit import StorageUnit
 from .wire.peer import Peer
 
@@ -58,7 +59,8 @@ class InProcessDeployment:
         try:
             for uid in range(num_units):
                 with self._unit_environment():
-                    unit = StorageUnit(uid, self.address)
+                    unit = StorageUnit(uid, self.address,
+                                       **row_log_options(uid, self.state_dir))
                 self.units.append(unit)
                 self._serve(unit.serve_forever, f"unit-{uid}")
                 unit.attach.register(timeout=timeout)
@@ -70,7 +72,7 @@ class InProcessDeployment:
     @contextlib.contextmanager
     def _unit_environment(self):
         """This deployment's ``TQTX_DURABILITY`` ... in ``os.environ`` while a unit is made
-        (a unit reads its setting from the environment as it starts)."""
+        (:func:`tqtx.storage.rowlog.row_log_options` reads it from there)."""
         wanted = self.durability.env(self.state_dir)
         saved = {k: os.environ.get(k) for k in wanted}
         os.environ.update(wanted)

@@ -129,3 +129,22 @@ def test_a_logged_buffer_refuses_another_unit_count_and_says_how_to_move(tq_star
     tq_start(2, durability="buffer", state_dir=state)
     _wait_ready()
     assert _read(["a", "b", "c"]) == want
+
+
+def test_an_in_process_deployment_keeps_its_buffer_across_a_stop_that_keeps_it(tmp_path):
+    from tqtx.testing import InProcessDeployment
+    state = str(tmp_path / "state")
+    with InProcessDeployment(2, state, durability="sync") as dep:
+        dep.activate()
+        tq.kv_batch_put(["a", "b", "c"], PID, _batch(["a", "b", "c"], 5))
+        want = _read(["a", "b", "c"])
+        dep.deactivate()
+        dep.stop(keep_buffer=True)
+    assert sorted(os.listdir(os.path.join(state, "units"))) == ["unit-0", "unit-1"]
+    with InProcessDeployment(2, state, durability="sync") as dep:
+        dep.activate()
+        try:
+            assert _read(["a", "b", "c"]) == want
+        finally:
+            dep.deactivate()
+    assert not os.path.exists(os.path.join(state, "units", "unit-0", "seg-00000001.log"))

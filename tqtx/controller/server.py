@@ -48,7 +48,9 @@ def acquire_state_dir(state_dir: str):
     import filelock
 
     os.makedirs(state_dir, exist_ok=True)
-    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)))
+    # not thread-local: an in-process controller is made on one thread and served (and
+    # stopped, releasing the lock) on another
+    lock = filelock.FileLock(os.fspath(controller_lock_path(state_dir)), thread_local=False)
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:

@@ -23,12 +23,12 @@ def main(argv=None) -> int:
     setup_logging(log_file=args.log_file, name=f"unit-{args.unit_id}")
     from ..security import client_curve_for, server_curve_for
     try:
+        from .rowlog import row_log_options
         from .unit import StorageUnit
-        log_dir, sync, interval = _row_log(args)
         unit = StorageUnit(args.unit_id, args.controller, host=args.host, port=args.port,
                            curve=server_curve_for(args.host, args.state_dir),
-                           client_curve=client_curve_for(args.state_dir), log_dir=log_dir,
-                           sync=sync, flush_interval=interval)
+                           client_curve=client_curve_for(args.state_dir),
+                           **row_log_options(args.unit_id, args.state_dir))
         unit.attach.register()
     except Exception as exc:
         announce({"error": type(exc).__name__, "message": str(exc)})
@@ -45,23 +45,6 @@ def main(argv=None) -> int:
     unit.attach.start_heartbeat()  # re-registers with a restarted controller (TQTX_UNIT_HEARTBEAT)
     unit.serve_forever()
     return 0
-
-
-def _row_log(args) -> tuple[str | None, bool, float]:
-    """``(row log directory or None, sync, flush interval)`` from the durability setting
-    (``$TQTX_DURABILITY``, ``$TQTX_FLUSH_INTERVAL_S``); the directory is this unit's under
-    ``$TQTX_UNIT_DATA_DIR``, else under ``<state dir>/units``."""
-    from .. import durability as dur
-    from ..paths import unit_data_root
-    setting, interval = dur.from_env()
-    if setting not in dur.LOGGED:
-        return None, False, interval
-    base = os.environ.get(dur.ENV_UNIT_DATA_DIR) or (
-        unit_data_root(args.state_dir) if args.state_dir else None)
-    if base is None:
-        raise ValueError(f"durability {setting!r}: unit {args.unit_id} needs a data directory "
-                         f"for its row log: pass --state-dir or set {dur.ENV_UNIT_DATA_DIR}")
-    return dur.unit_dir(base, args.unit_id), setting == dur.SYNC, interval
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ class LogDir:
     def __init__(self, directory: str):
         self.dir = os.fspath(directory)
         os.makedirs(self.dir, exist_ok=True)
-        self._lock = filelock.FileLock(os.path.join(self.dir, LOCK))
+        # not thread-local: the unit opens its log on one thread and closes it on another
+        self._lock = filelock.FileLock(os.path.join(self.dir, LOCK), thread_local=False)
         try:
             self._lock.acquire(timeout=0)
         except filelock.Timeout:

@@ -372,6 +372,25 @@ class RowLog:
         self.files.release(remove=remove)
 
 
+def row_log_options(unit_id: int, state_dir: str | None) -> dict:
+    """The row log arguments of :class:`~tqtx.storage.unit.StorageUnit` from the durability
+    setting the unit process was started with (``$TQTX_DURABILITY``,
+    ``$TQTX_FLUSH_INTERVAL_S``): ``log_dir`` None unless ``buffer`` or ``sync``, then this
+    unit's directory under ``$TQTX_UNIT_DATA_DIR``, else under ``<state dir>/units``."""
+    from .. import durability as dur
+    from ..paths import unit_data_root
+    setting, interval = dur.from_env()
+    if setting not in dur.LOGGED:
+        return {"log_dir": None, "sync": False, "flush_interval": interval}
+    base = os.environ.get(dur.ENV_UNIT_DATA_DIR) or (
+        unit_data_root(state_dir) if state_dir else None)
+    if base is None:
+        raise ValueError(f"durability {setting!r}: unit {unit_id} needs a data directory "
+                         f"for its row log: pass --state-dir or set {dur.ENV_UNIT_DATA_DIR}")
+    return {"log_dir": dur.unit_dir(base, unit_id), "sync": setting == dur.SYNC,
+            "flush_interval": interval}
+
+
 def _lower_priority() -> None:
     """Run this thread at a lower CPU priority (Linux: a nice value per thread). With
     ``buffer`` a write only has to land within the interval, so the requests the unit (and
