@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,6 +121,18 @@ def replace_file_synced(path, data: bytes, *, mode: int = 0o644, tmp=None) -> No
         except OSError:
             pass
         raise
+
+
+def link_or_copy(src, dst) -> None:
+    """Hard-link ``src`` as ``dst``; where the file system cannot (another device, no hard
+    links), copy it and fsync the copy."""
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copyfile(src, dst)
+        fsync_file(dst)
 
 
 def _move_all(step, bufs: list, what: str) -> None:

@@ -132,6 +132,12 @@ def checkpoint_unit_file(unit) -> str:
     return f"{CHECKPOINT_UNITS_DIR}/unit-{unit}.bin"
 
 
+def checkpoint_unit_log_dir(unit) -> str:
+    """Relative path of the directory of unit ``unit``'s row log files inside a checkpoint
+    (a unit with a row log saves by linking them, ``docs/checkpoint.md``)."""
+    return f"{CHECKPOINT_UNITS_DIR}/unit-{unit}"
+
+
 def checkpoint_unit_index(unit) -> str:
     """Relative path of the index of unit ``unit``'s rows inside a checkpoint."""
     return f"{CHECKPOINT_UNITS_DIR}/unit-{unit}.index"

@@ -148,3 +148,58 @@ def test_an_in_process_deployment_keeps_its_buffer_across_a_stop_that_keeps_it(t
         finally:
             dep.deactivate()
     assert not os.path.exists(os.path.join(state, "units", "unit-0", "seg-00000001.log"))
+
+
+def test_a_checkpoint_of_a_logged_buffer_links_the_log_and_loads_as_saved(tq_start, tmp_path):
+    import json
+    ckpt = str(tmp_path / "ckpt")
+    tq_start(2, durability="buffer", state_dir=str(tmp_path / "state"))
+    keys = [f"k{i}" for i in range(12)]
+    tq.kv_batch_put(keys, PID, _batch(keys, 0), tags=[{"i": i} for i in range(12)])
+    # a field added to existing keys: their rows are two log entries, merged on replay
+    tq.kv_batch_put(keys[:4], PID, TensorDict({"z": torch.ones(4, 2)}, batch_size=[4]))
+    tq.kv_clear(keys[10:], PID)
+    want = _read(keys[:10])
+    want_z = [z.tolist() for z in tq.kv_batch_get(keys[:4], PID, select_fields=["z"])["z"]]
+    tq.save_checkpoint(ckpt)
+    manifest = json.load(open(os.path.join(ckpt, "checkpoint_info.json")))
+    assert manifest["format_version"] == 3
+    for entry in manifest["units"]:
+        files = os.listdir(os.path.join(ckpt, entry["log"]["dir"]))
+        assert sorted(f["file"] for f in entry["log"]["files"]) == sorted(files)
+    assert not any(f.endswith(".bin") for f in os.listdir(os.path.join(ckpt, "units")))
+    # the buffer moves on: overwrites, clears, new keys
+    tq.kv_batch_put(keys[:10], PID, _batch(keys[:10], 500))
+    tq.kv_clear(keys[:3], PID)
+    tq.kv_batch_put(["after"], PID, _batch(["after"], 9))
+    tq.load_checkpoint(ckpt)
+    assert sorted(tq.kv_list()[PID]) == sorted(keys[:10])
+    assert _read(keys[:10]) == want
+    assert [z.tolist() for z in tq.kv_batch_get(keys[:4], PID, select_fields=["z"])["z"]] \
+        == want_z == [[1.0, 1.0]] * 4
+    assert tq.kv_list(PID)[PID]["k5"] == {"i": 5}
+    # and into a deployment whose units keep no log
+    tq_start(2, durability="controller", state_dir=str(tmp_path / "other"))
+    tq.load_checkpoint(ckpt)
+    assert _read(keys[:10]) == want
+
+
+def test_a_checkpoint_log_file_cut_short_is_refused_before_any_unit_switches(tq_start,
+                                                                            tmp_path):
+    import json
+    from tqtx.errors import DumpFormatError
+    ckpt = str(tmp_path / "ckpt")
+    tq_start(2, durability="buffer", state_dir=str(tmp_path / "state"))
+    tq.kv_batch_put(["a", "b", "c", "d"], PID, _batch(["a", "b", "c", "d"], 0))
+    tq.save_checkpoint(ckpt)
+    tq.kv_batch_put(["a", "b", "c", "d"], PID, _batch(["a", "b", "c", "d"], 70))
+    now = _read(["a", "b", "c", "d"])
+    manifest = json.load(open(os.path.join(ckpt, "checkpoint_info.json")))
+    entry = manifest["units"][0]
+    victim = os.path.join(ckpt, entry["log"]["dir"], entry["log"]["files"][-1]["file"])
+    data = bytearray(open(victim, "rb").read())
+    data[-3] ^= 0xFF  # same size, a payload byte flipped
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(DumpFormatError, match="checksum does not match"):
+        tq.load_checkpoint(ckpt)
+    assert _read(["a", "b", "c", "d"]) == now

@@ -27,8 +27,11 @@ from ..wire.rpc import new_id
 
 # Version 2: unit files hold version 2 records (naming partition, key and generation) and
 # controller.msgpack rows carry the generation; version 1 checkpoints are still loaded.
+# Version 3: units with a row log (durability buffer, sync) saved their log's files
+# (``units/unit-<k>/``) instead of a unit file; written only then.
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+LOG_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = paths.CHECKPOINT_MANIFEST
 METADATA = paths.CHECKPOINT_USER_METADATA  # TransferQueue's: {"storage_saved", "user_metadata"}
 CONTROLLER = paths.CHECKPOINT_METADATA
@@ -67,6 +70,11 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
                 snap, replies = _save_units(client, units_dir)
                 units = []
                 for u, r in sorted(replies.items()):
+                    if "log" in r:  # the unit linked its row log's files
+                        units.append({"unit": u, "size": r["bytes"], "rows": r["rows"],
+                                      "log": {"dir": paths.checkpoint_unit_log_dir(u),
+                                              "files": r["log"]}})
+                        continue
                     index = paths.checkpoint_unit_index(u)
                     idx = _write(pub.staging_dir / index, packb(r["entries"]))
                     units.append({"unit": u, "file": paths.checkpoint_unit_file(u),
@@ -74,7 +82,9 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
                                   "index": {"file": index, **idx}})
                 ctl = _write(pub.staging_dir / CONTROLLER, packb(snap["metadata"]))
                 _write(pub.staging_dir / METADATA, user_meta.encode())
-                manifest = {"format_version": FORMAT_VERSION, "kind": "tqtx-checkpoint",
+                version = LOG_FORMAT_VERSION if any("log" in u for u in units) \
+                    else FORMAT_VERSION
+                manifest = {"format_version": version, "kind": "tqtx-checkpoint",
                             "num_units": client.num_units, "tqtx_version": __version__,
                             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             "controller": {"file": CONTROLLER, **ctl}, "units": units}
@@ -106,6 +116,7 @@ def _save_units(client, units_dir) -> tuple[dict, dict]:
         units_dir.mkdir()
         for u, body in per_unit.items():
             body["path"] = str(units_dir.parent / paths.checkpoint_unit_file(u))
+            body["log_dir"] = str(units_dir.parent / paths.checkpoint_unit_log_dir(u))
         replies = client.fan_out("SAVE_CHECKPOINT", per_unit)
         if _settle_missing(client, snap, replies):
             return snap, replies
@@ -235,7 +246,12 @@ def load(client, ckpt_dir: str) -> dict:
             idents = {r[1]: (pid, r[0], r[5]) for pid, data in meta["partitions"].items()
                       for r in data["rows"]}
         per_unit = {}
+        keep = _unit_requests(meta, client.num_units) if version >= 3 else {}
         for entry in manifest["units"]:
+            if "log" in entry:
+                per_unit[entry["unit"]] = _log_load(ckpt_dir, mpath, entry,
+                                                    keep[entry["unit"]])
+                continue
             rel = entry["file"]
             if os.path.isabs(rel) or ".." in rel.split("/"):
                 raise DumpFormatError(f"{mpath}: unit file {rel!r} escapes the checkpoint")
@@ -266,6 +282,27 @@ def load(client, ckpt_dir: str) -> dict:
     return {"dir": ckpt_dir, "metadata": saved["user_metadata"],
             "storage_saved": saved["storage_saved"], "seconds": time.perf_counter() - t0,
             "keys": sum(len(p["rows"]) for p in meta["partitions"].values())}
+
+
+def _log_load(ckpt_dir: str, mpath: str, entry: dict, keep: dict) -> dict:
+    """The LOAD_CHECKPOINT body of a unit that saved its row log's files: the files (each
+    of the size the manifest names: saved files are never appended to) and the rows to
+    keep, every row of the metadata that unit holds (the unit checks each entry's CRC and
+    each kept row's generation as it replays)."""
+    log_dir = entry["log"]["dir"]
+    files = []
+    for f in entry["log"]["files"]:
+        rel = f"{log_dir}/{f['file']}"
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise DumpFormatError(f"{mpath}: unit file {rel!r} escapes the checkpoint")
+        path = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(path):
+            raise DumpNotFoundError(f"{path}: unit row log file missing", path)
+        if os.path.getsize(path) != f["size"]:
+            raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
+                                  f"{MANIFEST} ({f['size']})")
+        files.append(path)
+    return {"log_files": files, "keep_indexes": keep["indexes"], "keep_gens": keep["gens"]}
 
 
 def _read_metadata(ckpt_dir: str) -> dict:

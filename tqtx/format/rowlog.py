@@ -44,6 +44,17 @@ def parse_name(name: str) -> tuple[str, int, bool] | None:
     return None if m is None else (m.group(1), int(m.group(2)), m.group(3) == "tmp")
 
 
+def replay_order(files: list[tuple[str, int]], below: int | None = None) -> list[tuple[str, int]]:
+    """Of a log's files ``(kind, number)``, those that hold it, in replay order: the newest
+    base and the segments from its number on (only files numbered below ``below``)."""
+    if below is not None:
+        files = [(k, n) for k, n in files if n < below]
+    bases = [n for k, n in files if k == BASE]
+    start = max(bases) if bases else 0
+    return ([(BASE, start)] if bases else []) + \
+        sorted((k, n) for k, n in files if k == SEGMENT and n >= start)
+
+
 def encode_row(idx: int, gen: int, values: dict, encoder: RecordEncoder) -> tuple[list, int]:
     """``(buffers, size)`` of the ``ROW`` entry of ``values`` at ``idx`` as ``gen`` (large
     tensor payloads are the values' own buffers). TypeError/ValueError for a value the

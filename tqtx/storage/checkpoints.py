@@ -22,6 +22,7 @@ abandoned or pushed out by newer staged loads):
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from array import array
@@ -30,8 +31,11 @@ from dataclasses import dataclass, field
 
 from .. import format as fmt
 from .. import states as st
+from ..errors import DumpFormatError
 from ..wire.columns import unpack_int64
 from ..wire.values import row_nbytes
+from .logdir import replay_files
+from .rows import drop_from, store_into
 
 # Staged loads kept at once: concurrent load_checkpoint calls each stage their own (the
 # controller then switches the units to one after the other). Each holds a copy of the
@@ -49,7 +53,8 @@ BATCH = 128  # records per read batch
 @dataclass(frozen=True)
 class SaveRequest:
     """SAVE_CHECKPOINT: write to ``path`` the rows at ``indexes``, each of the generation
-    ``gens`` names, with its key and its partition (``partitions[part_of[i]]``)."""
+    ``gens`` names, with its key and its partition (``partitions[part_of[i]]``); a unit
+    with a row log links the log's files into ``log_dir`` instead."""
 
     path: str
     indexes: array
@@ -57,11 +62,13 @@ class SaveRequest:
     keys: list[str]
     part_of: array
     partitions: list[str]
+    log_dir: str | None = None  # a unit with a row log links its files here instead
 
     @classmethod
     def from_wire(cls, body: dict) -> "SaveRequest":
         req = cls(body["path"], unpack_int64(body["indexes"]), unpack_int64(body["gens"]),
-                  body["keys"], unpack_int64(body["part_of"]), body["partitions"])
+                  body["keys"], unpack_int64(body["part_of"]), body["partitions"],
+                  body.get("log_dir"))
         if not len(req.indexes) == len(req.gens) == len(req.keys) == len(req.part_of):
             raise ValueError(f"SAVE_CHECKPOINT: {len(req.indexes)} indexes, {len(req.gens)} "
                              f"generations, {len(req.keys)} keys, {len(req.part_of)} "
@@ -72,14 +79,22 @@ class SaveRequest:
 @dataclass(frozen=True)
 class LoadRequest:
     """LOAD_CHECKPOINT: stage as load ``load_id`` the records ``entries`` (``[index, offset,
-    length, crc]``) of this unit's checkpoint file ``path``."""
+    length, crc]``) of this unit's checkpoint file ``path``, or the rows a checkpoint saved
+    as row log files (``log_files``, replayed in order, every entry checked) holds at
+    ``keep_indexes`` of the generations ``keep_gens``."""
 
     load_id: str
-    path: str
+    path: str | None
     entries: list
+    log_files: list[str] | None = None  # or: replay these row log files ...
+    keep_indexes: array | None = None   # ... and keep the rows at these indexes,
+    keep_gens: array | None = None      # each of the generation named here
 
     @classmethod
     def from_wire(cls, body: dict) -> "LoadRequest":
+        if body.get("log_files") is not None:
+            return cls(body["load_id"], None, [], list(body["log_files"]),
+                       unpack_int64(body["keep_indexes"]), unpack_int64(body["keep_gens"]))
         return cls(body["load_id"], body["path"], body["entries"])
 
 
@@ -130,6 +145,8 @@ class UnitCheckpoints:
         come back as ``missing`` and the client leaves their keys out of the checkpoint."""
         unit = self.unit
         save = SaveRequest.from_wire(body)
+        if unit.rowlog is not None and save.log_dir is not None:
+            return self._save_log(save, req)
         rows, gens, partitions = unit.rows, unit.gens, save.partitions
         records, missing = [], []  # records: the format's (index, row, gen, partition, key)
         for idx, gen, key, p in zip(save.indexes, save.gens, save.keys, save.part_of):
@@ -146,6 +163,28 @@ class UnitCheckpoints:
                 entries = writer.close(fsync=True)
                 deferred.reply({"entries": entries, "bytes": writer.bytes_written,
                                 "rows": len(entries), "missing": missing})
+            except BaseException as exc:
+                deferred.reply(error=exc)
+
+        unit.pool.submit(work)
+        return deferred
+
+    def _save_log(self, save: SaveRequest, req):
+        """A unit with a row log saves by linking the log's files: a cut is queued where
+        the rows stand now (the rows it names that no longer hold their generation come
+        back as ``missing``), then the files holding everything before it are hard-linked
+        into ``log_dir`` (no row is read or written again)."""
+        unit = self.unit
+        gens = unit.gens
+        missing = [idx for idx, gen in zip(save.indexes, save.gens) if gens.get(idx) != gen]
+        cut = unit.rowlog.cut()
+        deferred = unit.server.deferred(req, unit.server.current_ident)
+
+        def work():
+            try:
+                files = unit.rowlog.link(cut, save.log_dir)
+                deferred.reply({"log": files, "bytes": sum(f["size"] for f in files),
+                                "rows": len(save.indexes) - len(missing), "missing": missing})
             except BaseException as exc:
                 deferred.reply(error=exc)
 
@@ -228,9 +267,33 @@ class UnitCheckpoints:
 
 def _read(request: LoadRequest, load: StagedLoad) -> None:
     """Read the records ``request`` names (checksums verified) into ``load``."""
+    if request.log_files is not None:
+        _read_log(request, load)
+        return
     if not request.entries:
         return
     for batch in fmt.read_records(request.path, request.entries, batch=BATCH):
         for idx, row in batch:
             load.rows[idx] = row
             load.nbytes += row_nbytes(row)
+
+
+def _read_log(request: LoadRequest, load: StagedLoad) -> None:
+    """Replay a checkpoint's row log files and stage the rows it keeps."""
+    rows: dict[int, dict] = {}
+    gens: dict[int, int] = {}
+
+    def reset():
+        rows.clear()
+        gens.clear()
+
+    replay_files(request.log_files, lambda i, g, v: store_into(rows, gens, i, g, v),
+                 lambda i, g: drop_from(rows, gens, i, g), reset, strict=True)
+    where = os.path.dirname(request.log_files[0]) if request.log_files else "checkpoint"
+    for idx, gen in zip(request.keep_indexes, request.keep_gens):
+        if gens.get(idx) != gen:
+            raise DumpFormatError(f"{where}: the row log holds no row of generation {gen} "
+                                  f"at global index {idx}")
+        row = rows[idx]
+        load.rows[idx] = row
+        load.nbytes += row_nbytes(row)

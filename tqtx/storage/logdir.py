@@ -15,6 +15,7 @@ from typing import Callable
 
 import filelock
 
+from ..errors import DumpFormatError
 from ..format import rowlog as fl
 from ..wire.values import RawTensor
 
@@ -69,21 +70,9 @@ class LogDir:
         stats ``{"entries", "bytes", "files", "seconds", "torn"}``."""
         t0 = time.perf_counter()
         files = self.list()
-        bases = [n for kind, n in files if kind == fl.BASE]
-        start = max(bases) if bases else 0
-        order = ([(fl.BASE, start)] if bases else []) + \
-            sorted((k, n) for k, n in files if k == fl.SEGMENT and n >= start)
-        stats = {"entries": 0, "bytes": 0, "files": len(order), "torn": []}
-        for kind, n in order:
-            path = self.path(kind, n)
-            entries, good, size = _replay_file(path, store, drop, reset)
-            stats["entries"] += entries
-            stats["bytes"] += good
-            if good != size:
-                stats["torn"].append(path)
-                log.warning("row log %s: %d bytes after offset %d are not a whole entry "
-                            "(a write the process did not finish); the entries before are "
-                            "replayed", path, size - good, good)
+        order = fl.replay_order(files)
+        stats = {"files": len(order)}
+        stats.update(replay_files([self.path(k, n) for k, n in order], store, drop, reset))
         for kind, n in files:
             if (kind, n) not in order:
                 self.remove(self.path(kind, n))
@@ -104,6 +93,27 @@ class LogDir:
                 os.rmdir(self.dir)
             except OSError:
                 pass
+
+
+def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False) -> dict:
+    """Apply the entries of ``paths``, in order, through ``store(index, gen, values)``,
+    ``drop(index, gen)`` and ``reset()``: ``{"entries", "bytes", "torn"}``. A file whose
+    end is not a whole entry is replayed up to it and logged (``torn``), or with
+    ``strict`` (a checkpoint's files, which were complete when saved) DumpFormatError."""
+    stats = {"entries": 0, "bytes": 0, "torn": []}
+    for path in paths:
+        entries, good, size = _replay_file(path, store, drop, reset)
+        stats["entries"] += entries
+        stats["bytes"] += good
+        if good != size:
+            if strict:
+                raise DumpFormatError(f"{path}: the entry at offset {good} is truncated or "
+                                      f"its checksum does not match")
+            stats["torn"].append(path)
+            log.warning("row log %s: %d bytes after offset %d are not a whole entry "
+                        "(a write the process did not finish); the entries before are "
+                        "replayed", path, size - good, good)
+    return stats
 
 
 def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:

@@ -49,6 +49,28 @@ class _Rotate:
         self.rows, self.gens = rows, gens
 
 
+class _Cut:
+    """A queue marker: seal the open segment here and fsync; :meth:`wait` then gives the
+    number of the segment opened after it (every change queued before the cut is in the
+    files numbered below it)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.next_segment = 0
+
+    def reply(self, result=None, error=None) -> None:
+        self.error = error
+        self.done.set()
+
+    def wait(self, timeout: float = 120.0) -> int:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"the row log did not reach a checkpoint's cut in {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.next_segment
+
+
 class RowLog:
     """The row log of one unit in ``directory``.
 
@@ -63,6 +85,7 @@ class RowLog:
         self.live_bytes, self.snapshot = live_bytes, snapshot
         self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self.files = LogDir(self.dir)
+        self._files_lock = threading.Lock()
         self._encoder = RecordEncoder()  # the writer's
         self._batch: list = []        # this request's changes (loop only)
         self._queue: list = []        # batches, waiters and rotations for the writer
@@ -147,6 +170,32 @@ class RowLog:
         if errors[0] is not None:
             raise errors[0]
 
+    def cut(self) -> _Cut:
+        """Loop thread: mark where the queue stands for a checkpoint (see :class:`_Cut`
+        and :meth:`link`)."""
+        self.write()
+        cut = _Cut()
+        with self._cond:
+            self._queue.append(cut)
+            self._cond.notify()
+        return cut
+
+    def link(self, cut: _Cut, target: str) -> list[dict]:
+        """Hard-link (copy across file systems) into ``target`` the files that hold every
+        change before ``cut``: the newest base below its segment and the segments from that
+        base on (all sealed: nothing is appended to them again, and a later compaction's
+        deletions leave the links). ``[{"file", "size"}]`` in replay order."""
+        end = cut.wait()
+        os.makedirs(target, exist_ok=True)
+        out = []
+        with self._files_lock:  # a compaction does not delete files meanwhile
+            for kind, n in fl.replay_order(self.files.list(), below=end):
+                src = self.files.path(kind, n)
+                name = fl.file_name(kind, n)
+                fsutil.link_or_copy(src, os.path.join(target, name))
+                out.append({"file": name, "size": os.path.getsize(src)})
+        return out
+
     def _start_compaction(self) -> None:
         """Loop thread: snapshot the rows where the queue stands; the writer opens a new
         segment there and a compaction thread writes the snapshot as its base."""
@@ -190,6 +239,14 @@ class RowLog:
         for pos, item in enumerate(items):
             if type(item) is tuple:
                 waiters.append(item)
+                continue
+            if type(item) is _Cut:
+                try:
+                    self._seal()
+                    item.next_segment = self._number
+                    waiters.append((item, None))
+                except Exception as exc:  # noqa: BLE001 - the checkpoint's error
+                    item.reply(error=exc)
                 continue
             try:
                 if type(item) is _Rotate:
@@ -334,11 +391,12 @@ class RowLog:
             fsutil.fsync_dir(self.dir)
             faults.hit("unit.rowlog.compact.after_rename")
             freed = 0
-            for kind, n in self.files.list():
-                if n < number:
-                    path = self.files.path(kind, n)
-                    freed += os.path.getsize(path)
-                    self.files.remove(path)
+            with self._files_lock:  # not while a checkpoint links them
+                for kind, n in self.files.list():
+                    if n < number:
+                        path = self.files.path(kind, n)
+                        freed += os.path.getsize(path)
+                        self.files.remove(path)
             with self._cond:
                 self._disk += size - freed
             self.compactions += 1

@@ -30,7 +30,7 @@ from ..wire import shm
 from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Deferred, Server
-from ..wire.values import forget_shapes, row_nbytes, value_nbytes
+from ..wire.values import forget_shapes, row_nbytes
 from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
 from .dump_job import DumpJob
@@ -38,6 +38,7 @@ from .memory import free_bytes, own_small_frames
 from .restore import RestoreWorker
 from .replies import into_reply, reply_columns
 from .rowlog import RowLog
+from .rows import drop_from, store_into
 
 log = logging.getLogger("tqtx.unit")
 
@@ -206,26 +207,12 @@ class StorageUnit:
         generation (copy-on-write: snapshots of the old row stay intact), replacing a row
         of an older one (another key left it). None, and nothing stored, where the row is
         newer; else the bytes of ``values``. Used by puts and restores alike."""
-        rows, gens = self.rows, self.gens
-        held = gens.get(idx)
-        if held is not None and held > gen:
+        stored = store_into(self.rows, self.gens, idx, gen, values)
+        if stored is None:
             return None
         if self.rowlog is not None:
             self.rowlog.row(idx, gen, values)
-        nbytes, freed = row_nbytes(values), 0
-        old = rows.get(idx)
-        if held != gen or old is None:
-            if old:
-                freed = row_nbytes(old)
-            rows[idx] = values
-            gens[idx] = gen
-        else:
-            row = dict(old)
-            for f in values:
-                if f in old:
-                    freed += value_nbytes(old[f])
-            row.update(values)
-            rows[idx] = row
+        nbytes, freed = stored
         self.bytes_held += nbytes - freed
         return nbytes
 
@@ -301,20 +288,20 @@ class StorageUnit:
         if len(want) != len(indexes):
             raise ValueError(f"DROP_ROWS: {len(want)} generations for {len(indexes)} indexes")
         rows, gens = self.rows, self.gens
-        n = freed = 0
+        freed = 0
         gone, gone_gens = [], []
         for idx, gen in zip(indexes, want):
-            if gens.get(idx) == gen:
-                del gens[idx]
-                freed += row_nbytes(rows.pop(idx))
-                n += 1
+            n = drop_from(rows, gens, idx, gen)
+            if n is not None:
+                freed += n
                 gone.append(idx)
                 gone_gens.append(gen)
         self.bytes_held -= freed
         if gone and self.rowlog is not None:
             self.rowlog.drop(gone, gone_gens)
-        if n and not self.rows:
+        if gone and not self.rows:
             self._emptied()
+        n = len(gone)
         return {"dropped": n}
 
     def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int) -> None:
@@ -329,9 +316,7 @@ class StorageUnit:
 
     def _drop_row(self, idx: int, gen: int) -> None:
         """Replay of a logged drop."""
-        if self.gens.get(idx) == gen:
-            del self.gens[idx]
-            del self.rows[idx]
+        drop_from(self.rows, self.gens, idx, gen)
 
     def _emptied(self) -> None:
         """The last row went: let go of what only rows needed, so the memory pages it sits
