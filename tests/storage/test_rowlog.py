@@ -294,3 +294,28 @@ def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(
         assert _state(again) == want and set(want) == {0, 1, 2}
     finally:
         _close(again)
+
+
+def test_a_checkpoint_links_the_files_before_its_cut_and_leaves_a_base_being_written(
+        tmp_path):
+    unit = _unit(tmp_path)
+    _put(unit, [[0, {"a": _tensor(1)}], [1, {"a": _tensor(2)}]], [1, 1])
+    _put(unit, [[0, {"b": _tensor(3)}]], [1])
+    being_written = tmp_path / "log" / "base-00000099.tmp"
+    being_written.write_bytes(b"a compaction's base, half written")
+    want = _state(unit)
+    cut = unit.rowlog.cut()
+    _put(unit, [[1, {"a": _tensor(9)}]], [1])  # after the cut: not in the checkpoint
+    files = unit.rowlog.link(cut, str(tmp_path / "ckpt"))
+    assert being_written.exists()
+    assert [f["file"] for f in files] == ["seg-00000001.log"]
+    rows, gens = {}, {}
+    from tqtx.storage.logdir import replay_files
+    from tqtx.storage.rows import drop_from, store_into
+    replay_files([str(tmp_path / "ckpt" / f["file"]) for f in files],
+                 lambda i, g, v: store_into(rows, gens, i, g, v),
+                 lambda i, g: drop_from(rows, gens, i, g), rows.clear, strict=True)
+    got = {i: (gens[i], {f: (v.dtype, tuple(v.shape), bytes(v.data)) for f, v in r.items()})
+           for i, r in rows.items()}
+    assert got == want
+    _close(unit)

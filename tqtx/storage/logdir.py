@@ -41,18 +41,14 @@ class LogDir:
     def path(self, kind: str, number: int, *, tmp: bool = False) -> str:
         return os.path.join(self.dir, fl.file_name(kind, number, tmp=tmp))
 
-    def list(self) -> list[tuple[str, int]]:
-        """``(kind, number)`` of the log's files, sorted (unfinished bases are removed)."""
+    def list(self, *, tmp: bool = False) -> list[tuple[str, int]]:
+        """``(kind, number)`` of the log's files, sorted; with ``tmp`` those of bases
+        being written (or left unfinished by a crash) instead."""
         out = []
         for name in os.listdir(self.dir):
             parsed = fl.parse_name(name)
-            if parsed is None:
-                continue
-            kind, number, tmp = parsed
-            if tmp:
-                self.remove(os.path.join(self.dir, name))
-            else:
-                out.append((kind, number))
+            if parsed is not None and parsed[2] == tmp:
+                out.append(parsed[:2])
         return sorted(out)
 
     @staticmethod
@@ -69,6 +65,8 @@ class LogDir:
         ``reset()``. Returns ``(stats, highest file number, bytes of the files replayed)``,
         stats ``{"entries", "bytes", "files", "seconds", "torn"}``."""
         t0 = time.perf_counter()
+        for kind, n in self.list(tmp=True):  # a compaction the last process did not finish
+            self.remove(self.path(kind, n, tmp=True))
         files = self.list()
         order = fl.replay_order(files)
         stats = {"files": len(order)}
@@ -86,6 +84,8 @@ class LogDir:
         if remove:
             for kind, n in self.list():
                 self.remove(self.path(kind, n))
+            for kind, n in self.list(tmp=True):
+                self.remove(self.path(kind, n, tmp=True))
         self._lock.release()
         if remove:
             self.remove(os.path.join(self.dir, LOCK))

@@ -86,6 +86,7 @@ class RowLog:
         self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self.files = LogDir(self.dir)
         self._files_lock = threading.Lock()
+        self._compactor: threading.Thread | None = None
         self._encoder = RecordEncoder()  # the writer's
         self._batch: list = []        # this request's changes (loop only)
         self._queue: list = []        # batches, waiters and rotations for the writer
@@ -363,9 +364,10 @@ class RowLog:
     def _rotate(self, rotate: "_Rotate") -> None:
         """Open a new segment where the snapshot was taken; write its base in a thread."""
         self._seal()
-        threading.Thread(target=self._write_base, args=(self._number, rotate.rows,
-                                                        rotate.gens),
-                         name="tqtx-rowlog-compact", daemon=True).start()
+        self._compactor = threading.Thread(
+            target=self._write_base, args=(self._number, rotate.rows, rotate.gens),
+            name="tqtx-rowlog-compact", daemon=True)
+        self._compactor.start()
 
     def _write_base(self, number: int, rows: dict, gens: dict) -> None:
         tmp, final = self.files.path(fl.BASE, number, tmp=True), self.files.path(fl.BASE, number)
@@ -421,6 +423,8 @@ class RowLog:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self._compactor is not None:  # its files are renamed or removed, not left half
+            self._compactor.join(timeout=60)
         else:
             self._sync_and_reply(self._write_items(self._queue))
         for fd in [*self._sealed, self._fd]:
