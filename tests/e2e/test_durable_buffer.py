@@ -184,8 +184,8 @@ def test_a_checkpoint_of_a_logged_buffer_links_the_log_and_loads_as_saved(tq_sta
     assert _read(keys[:10]) == want
 
 
-def test_a_checkpoint_log_file_cut_short_is_refused_before_any_unit_switches(tq_start,
-                                                                            tmp_path):
+def test_a_corrupt_checkpoint_log_file_is_refused_before_any_unit_switches(tq_start,
+                                                                          tmp_path):
     import json
     from tqtx.errors import DumpFormatError
     ckpt = str(tmp_path / "ckpt")
@@ -203,3 +203,71 @@ def test_a_checkpoint_log_file_cut_short_is_refused_before_any_unit_switches(tq_
     with pytest.raises(DumpFormatError, match="checksum does not match"):
         tq.load_checkpoint(ckpt)
     assert _read(["a", "b", "c", "d"]) == now
+
+
+def _writer(wid: int, stop, acked: dict, cleared: dict) -> None:
+    """Put this writer's own keys one after the other, clearing every third one after;
+    record when each put and clear was acknowledged (monotonic clock)."""
+    n = 0
+    while not stop.is_set():
+        key = f"w{wid}-{n}"
+        try:
+            tq.kv_batch_put([key], PID, _batch([key], wid * 100_000 + n))
+            acked[key] = time.monotonic()
+            if n % 3 == 2:
+                old = f"w{wid}-{n - 2}"
+                tq.kv_clear([old], PID)
+                cleared[old] = time.monotonic()
+        except Exception:  # noqa: BLE001 - the job is being killed under it
+            return
+        n += 1
+
+
+@pytest.mark.slow
+def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(tq_start,
+                                                                             tmp_path):
+    """8 writers put and clear; the whole job is SIGKILLed at a random moment and started
+    again, ten times. Every put acknowledged more than flush_interval_s before a kill is
+    back bit for bit (unless a clear of it was acknowledged before the kill), every clear
+    acknowledged that long before stays cleared."""
+    import random
+    import threading
+    interval = 0.5
+    cfg = {"durability": "buffer", "flush_interval_s": interval,
+           "state_dir": str(tmp_path / "state")}
+    rng = random.Random()
+    tq_start(2, **cfg)
+    survivors: dict[str, int] = {}  # key -> the writer's value base, of every earlier round
+    for rnd in range(10):
+        stop = threading.Event()
+        acked: dict[str, float] = {}
+        cleared: dict[str, float] = {}
+        writers = [threading.Thread(target=_writer, args=(w + 8 * rnd, stop, acked, cleared))
+                   for w in range(8)]
+        for t in writers:
+            t.start()
+        time.sleep(rng.uniform(1.0, 3.0))  # the kill comes at a random moment
+        killed_at = time.monotonic()
+        _kill_everything()
+        stop.set()
+        for t in writers:
+            t.join(30)
+        tq_start(2, **cfg)
+        _wait_ready()
+        listed = set(tq.kv_list().get(PID, {}))
+        settled = killed_at - interval
+        must = {k for k, t in acked.items() if t < settled and k not in cleared}
+        gone = {k for k, t in cleared.items() if t < settled}
+        assert must <= listed, f"round {rnd}: acknowledged puts lost: {sorted(must - listed)}"
+        assert not gone & listed, f"round {rnd}: cleared keys back: {sorted(gone & listed)}"
+        assert set(survivors) <= listed
+        check = sorted(must | set(survivors))
+        got = tq.kv_batch_get(check, PID)["v"] if check else []
+        for key, row in zip(check, got):
+            wid, n = key[1:].split("-")
+            base = int(wid) * 100_000 + int(n)
+            assert row.tolist() == list(range(base, base + 5)), f"round {rnd}: {key}"
+        survivors.update({k: 0 for k in must})
+        extra = sorted(listed - set(survivors))  # puts of the last interval: not carried on
+        if extra:
+            tq.kv_clear(extra, PID)
