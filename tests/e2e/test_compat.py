@@ -413,7 +413,11 @@ def test_strict_mode_is_strict_and_dense(tq_start, pid):
     assert not x.is_nested and x.tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
-@pytest.mark.parametrize("config", [{}, {"compat": "transferqueue"}, {"strict": False}])
+# The default in the quick tier; the two spellings that ask for the same results, each a
+# deployment of its own, in the full suite.
+@pytest.mark.parametrize("config", [{}, pytest.param({"compat": "transferqueue"},
+                                                     marks=pytest.mark.slow),
+                                    pytest.param({"strict": False}, marks=pytest.mark.slow)])
 def test_default_reproduces_transferqueues_lenient_results(tq_start, pid, config):
     tq_start(2, **config)
     _seed(pid)

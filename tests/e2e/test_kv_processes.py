@@ -35,13 +35,12 @@ def start_serve(state_dir, units=2):
     if not line:
         proc.kill()
         raise AssertionError(f"tqtx serve printed nothing: {proc.stderr.read()}")
-    # `tqtx serve` installs its SIGTERM handler only after its stderr banner (see
-    # test_serve_sigterm_right_after_announcement): wait for the banner and a little more.
+    # `tqtx serve` installs its SIGTERM handler before it announces itself (see
+    # test_serve_sigterm_right_after_announcement); read up to its stderr banner, then
+    # keep draining stderr (children log warnings there) so nobody blocks on a full pipe
     while "tqtx serving at" not in (proc.stderr.readline() or "tqtx serving at"):
         pass
-    # keep draining stderr (children log warnings there) so nobody blocks on a full pipe
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-    time.sleep(0.2)
     return proc, json.loads(line)
 
 

@@ -36,7 +36,10 @@ LOOPBACK = "127.0.0.1"
 # module runs on one worker, so one Ray cluster serves them all.
 # The tests compare dense columns: strict mode (the actors' processes, started by Ray, run
 # with the default and read only 0-d fields, dense in both).
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.strict]
+# A Ray cluster costs tens of seconds before its first test: the module is in the full
+# suite only (the placement plan and probe without Ray: tests/deployment/test_placement.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.strict,
+              pytest.mark.slow]
 
 
 def _proc_alive(pid: int) -> bool:
@@ -354,7 +357,6 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_driver_sigkill_stops_actors_and_servers(cluster, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, cluster["address"],
                              str(tmp_path / "state")], stdout=subprocess.PIPE, text=True)
@@ -410,7 +412,6 @@ def _claimed():
     return any(u["state"] == "claimed" for r in tq.list_restores() for u in r["units"])
 
 
-@pytest.mark.slow
 def test_node_lost_during_a_dump_keeps_the_old_dump(cluster, ray_tq, tmp_path, pid):
     node, node_id = _victim(cluster, "victim_dump")
     # one unit per node (head, n1, n2, victim); the second dump's writes wait 5 s, and the
@@ -451,7 +452,6 @@ def test_node_lost_during_a_dump_keeps_the_old_dump(cluster, ray_tq, tmp_path, p
     assert _wait_gone(pids, 30) == []
 
 
-@pytest.mark.slow
 def test_node_lost_during_a_restore_publishes_nothing(cluster, ray_tq, tmp_path, pid):
     info = ray_tq(num_units=2, unit_node_resource="storage")
     keys = [f"k{i}" for i in range(16)]

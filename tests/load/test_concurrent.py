@@ -266,7 +266,7 @@ def _run_machine(tmp_path, examples: int, steps: int):
 
 
 def test_stateful_model(tmp_path):
-    _run_machine(tmp_path, examples=10, steps=15)
+    _run_machine(tmp_path, examples=6, steps=15)
 
 
 @pytest.mark.slow
