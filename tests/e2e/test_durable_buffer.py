@@ -184,8 +184,8 @@ def test_a_checkpoint_of_a_logged_buffer_links_the_log_and_loads_as_saved(tq_sta
     assert _read(keys[:10]) == want
 
 
-def test_a_corrupt_checkpoint_log_file_is_refused_before_any_unit_switches(tq_start,
-                                                                          tmp_path):
+def test_a_corrupt_checkpoint_log_file_is_refused_before_any_unit_switches(
+        tq_start, tmp_path):
     import json
     from tqtx.errors import DumpFormatError
     ckpt = str(tmp_path / "ckpt")
@@ -224,8 +224,8 @@ def _writer(wid: int, stop, acked: dict, cleared: dict) -> None:
 
 
 @pytest.mark.slow
-def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(tq_start,
-                                                                             tmp_path):
+def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(
+        tq_start, tmp_path):
     """8 writers put and clear; the whole job is SIGKILLed at a random moment and started
     again, ten times. Every put acknowledged more than flush_interval_s before a kill is
     back bit for bit (unless a clear of it was acknowledged before the kill), every clear
