@@ -19,7 +19,7 @@ import threading
 
 from .client.client import Client
 from .controller.server import Controller
-from .storage.rowlog import row_log_options
+from .storage.logdir import row_log_options
 from .storage.unit import StorageUnit
 from .wire.peer import Peer
 

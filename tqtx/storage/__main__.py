@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     setup_logging(log_file=args.log_file, name=f"unit-{args.unit_id}")
     from ..security import client_curve_for, server_curve_for
     try:
-        from .rowlog import row_log_options
+        from .logdir import row_log_options
         from .unit import StorageUnit
         unit = StorageUnit(args.unit_id, args.controller, host=args.host, port=args.port,
                            curve=server_curve_for(args.host, args.state_dir),

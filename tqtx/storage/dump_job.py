@@ -133,4 +133,3 @@ class DumpJob:
             self.release()
             self.move(end)
             self._finish()
-

@@ -15,8 +15,10 @@ from typing import Callable
 
 import filelock
 
+from .. import faults, fsutil
 from ..errors import DumpFormatError
 from ..format import rowlog as fl
+from ..format.records import RecordEncoder
 from ..wire.values import RawTensor
 
 log = logging.getLogger("tqtx.unit")
@@ -78,6 +80,42 @@ class LogDir:
         stats["seconds"] = time.perf_counter() - t0
         return stats, max([n for _k, n in files] + [0]), disk
 
+    def write_base(self, number: int, rows: dict, gens: dict) -> int:
+        """Write ``rows`` (of generations ``gens``) as base ``number``: to its ``.tmp``,
+        fsynced, then renamed into place (the directory fsynced). Returns its size."""
+        tmp, final = self.path(fl.BASE, number, tmp=True), self.path(fl.BASE, number)
+        encoder = RecordEncoder()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        size = 0
+        try:
+            bufs: list = []
+            for idx, row in rows.items():
+                more, n = fl.encode_row(idx, gens[idx], row, encoder)
+                bufs += more
+                size += n
+                if len(bufs) >= 512:
+                    fsutil.writev_all(fd, bufs)
+                    bufs = []
+            fsutil.writev_all(fd, bufs)
+            faults.hit("unit.rowlog.compact.before_fsync")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        fsutil.fsync_dir(self.dir)
+        faults.hit("unit.rowlog.compact.after_rename")
+        return size
+
+    def remove_below(self, number: int) -> int:
+        """Remove the files numbered below ``number`` (a base replaced them); their bytes."""
+        freed = 0
+        for kind, n in self.list():
+            if n < number:
+                path = self.path(kind, n)
+                freed += os.path.getsize(path)
+                self.remove(path)
+        return freed
+
     def release(self, *, remove: bool = False) -> None:
         """Let go of the directory; with ``remove`` delete the log's files first (and the
         directory, if nothing else is in it: other files are not ours to remove)."""
@@ -93,6 +131,25 @@ class LogDir:
                 os.rmdir(self.dir)
             except OSError:
                 pass
+
+
+def row_log_options(unit_id: int, state_dir: str | None) -> dict:
+    """The row log arguments of :class:`~tqtx.storage.unit.StorageUnit` from the durability
+    setting the unit process was started with (``$TQTX_DURABILITY``,
+    ``$TQTX_FLUSH_INTERVAL_S``): ``log_dir`` None unless ``buffer`` or ``sync``, then this
+    unit's directory under ``$TQTX_UNIT_DATA_DIR``, else under ``<state dir>/units``."""
+    from .. import durability as dur
+    from ..paths import unit_data_root
+    setting, interval = dur.from_env()
+    if setting not in dur.LOGGED:
+        return {"log_dir": None, "sync": False, "flush_interval": interval}
+    base = os.environ.get(dur.ENV_UNIT_DATA_DIR) or (
+        unit_data_root(state_dir) if state_dir else None)
+    if base is None:
+        raise ValueError(f"durability {setting!r}: unit {unit_id} needs a data directory "
+                         f"for its row log: pass --state-dir or set {dur.ENV_UNIT_DATA_DIR}")
+    return {"log_dir": dur.unit_dir(base, unit_id), "sync": setting == dur.SYNC,
+            "flush_interval": interval}
 
 
 def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False) -> dict:

@@ -16,9 +16,10 @@ order: every ``flush_interval_s`` (``buffer``), or as soon as a request waits fo
 them; requests queued meanwhile share it). When the files hold more than 1.25x the live
 bytes (and 16 MiB more), the loop snapshots the rows (two dict copies) where the queue
 stands, the writer opens a new segment there, and a compaction thread writes the snapshot
-as that segment's base, fsyncs and renames it, then removes the files it replaces. A write
-that fails (a full disk) is cut off its file and retried every interval; meanwhile new rows
-are refused.
+as that segment's base, fsyncs and renames it, then removes the files it replaces. A
+checkpoint queues a cut: the writer seals the open segment there and fsyncs, and the files
+before it are hard-linked into the checkpoint (:meth:`RowLog.link`). A write that fails (a
+full disk) is cut off its file and retried every interval; meanwhile new rows are refused.
 """
 from __future__ import annotations
 
@@ -370,35 +371,11 @@ class RowLog:
         self._compactor.start()
 
     def _write_base(self, number: int, rows: dict, gens: dict) -> None:
-        tmp, final = self.files.path(fl.BASE, number, tmp=True), self.files.path(fl.BASE, number)
+        """The compaction thread: base ``number`` written, then the files it replaces go."""
         try:
-            encoder = RecordEncoder()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            size = 0
-            try:
-                bufs: list = []
-                for idx, row in rows.items():
-                    more, n = fl.encode_row(idx, gens[idx], row, encoder)
-                    bufs += more
-                    size += n
-                    if len(bufs) >= 512:
-                        fsutil.writev_all(fd, bufs)
-                        bufs = []
-                fsutil.writev_all(fd, bufs)
-                faults.hit("unit.rowlog.compact.before_fsync")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, final)
-            fsutil.fsync_dir(self.dir)
-            faults.hit("unit.rowlog.compact.after_rename")
-            freed = 0
+            size = self.files.write_base(number, rows, gens)
             with self._files_lock:  # not while a checkpoint links them
-                for kind, n in self.files.list():
-                    if n < number:
-                        path = self.files.path(kind, n)
-                        freed += os.path.getsize(path)
-                        self.files.remove(path)
+                freed = self.files.remove_below(number)
             with self._cond:
                 self._disk += size - freed
             self.compactions += 1
@@ -406,7 +383,7 @@ class RowLog:
                      len(rows), size, freed)
         except BaseException as exc:  # the log stays as it was: replay does not need a base
             log.error("row log %s: compaction failed: %r", self.dir, exc)
-            self.files.remove(tmp)
+            self.files.remove(self.files.path(fl.BASE, number, tmp=True))
             self._failed_at = self._disk  # not again before the files grew further
             self._compacting = False
             return
@@ -432,25 +409,6 @@ class RowLog:
                 os.close(fd)
         self._sealed, self._fd = [], -1
         self.files.release(remove=remove)
-
-
-def row_log_options(unit_id: int, state_dir: str | None) -> dict:
-    """The row log arguments of :class:`~tqtx.storage.unit.StorageUnit` from the durability
-    setting the unit process was started with (``$TQTX_DURABILITY``,
-    ``$TQTX_FLUSH_INTERVAL_S``): ``log_dir`` None unless ``buffer`` or ``sync``, then this
-    unit's directory under ``$TQTX_UNIT_DATA_DIR``, else under ``<state dir>/units``."""
-    from .. import durability as dur
-    from ..paths import unit_data_root
-    setting, interval = dur.from_env()
-    if setting not in dur.LOGGED:
-        return {"log_dir": None, "sync": False, "flush_interval": interval}
-    base = os.environ.get(dur.ENV_UNIT_DATA_DIR) or (
-        unit_data_root(state_dir) if state_dir else None)
-    if base is None:
-        raise ValueError(f"durability {setting!r}: unit {unit_id} needs a data directory "
-                         f"for its row log: pass --state-dir or set {dur.ENV_UNIT_DATA_DIR}")
-    return {"log_dir": dur.unit_dir(base, unit_id), "sync": setting == dur.SYNC,
-            "flush_interval": interval}
 
 
 def _lower_priority() -> None:

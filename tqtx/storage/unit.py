@@ -12,6 +12,10 @@ names the generations it expects and is served only if every row holds them
 write of an older generation than the row holds is refused, a newer one replaces the row;
 a drop takes only a row of the generation it names. So a request that raced a clear and
 the index's reuse never reads, dumps, overwrites or drops another key's row.
+
+With durability ``buffer`` or ``sync`` every change of the rows is also queued to the row
+log (:mod:`tqtx.storage.rowlog`) at the end of the request that made it, and the unit
+replays that log when it starts, before it registers.
 """
 from __future__ import annotations
 
@@ -19,21 +23,17 @@ import logging
 import os
 import threading
 import time
-from array import array
 from concurrent.futures import ThreadPoolExecutor
-from itertools import repeat
 
-from .. import states as st
 from ..errors import StaleRowsError
 from ..placement.probe import node_name, unit_probe
 from ..wire import shm
-from ..wire.columns import unpack_int64
 from ..wire.peer import Peer
 from ..wire.rpc import Deferred, Server
 from ..wire.values import forget_shapes, row_nbytes
 from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
-from .dump_job import DumpJob
+from .dumps import UnitDumps
 from .memory import free_bytes, own_small_frames
 from .restore import RestoreWorker
 from .replies import into_reply, reply_columns
@@ -78,7 +78,8 @@ def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
 class StorageUnit:
     """A storage unit: its rows (``rows``, ``gens``), the roles that serve them (``attach``:
     REGISTER_UNIT and the heartbeat; ``restore``: the restore steps; ``checkpoints``: the
-    checkpoint steps; dumps run here) and the request table of its server."""
+    checkpoint steps; ``dumps``: the dump steps), its row log (``rowlog``, or None) and the
+    request table of its server."""
 
     def __init__(self, unit_id: int, controller_address: str, *, host: str = "127.0.0.1",
                  port: int = 0, curve=None, client_curve=None, log_dir: str | None = None,
@@ -104,7 +105,7 @@ class StorageUnit:
         self.attach = UnitAttachment(self)
         self.restore = RestoreWorker(self)
         self.checkpoints = UnitCheckpoints(self)
-        self.dump_jobs: dict[str, DumpJob] = {}
+        self.dumps = UnitDumps(self)
         # durability buffer / sync: the rows are also in a log in log_dir, replayed here
         self.rowlog: RowLog | None = None
         self.remove_log = False  # set by a SHUTDOWN without keep_buffer
@@ -135,8 +136,10 @@ class StorageUnit:
             ("PING", self.ping, False), ("PUT_ROWS", self.put_rows, True),
             ("GET_ROWS", self.get_rows, False), ("GET_INTO", self.get_into, False),
             ("DROP_ROWS", self.drop_rows, True),
-            ("DUMP_ROWS", self.dump_rows, True), ("DUMP_SNAPSHOT", self.dump_snapshot, True),
-            ("DUMP_WAIT", self.dump_wait, False), ("DUMP_CANCEL", self.dump_cancel, False),
+            ("DUMP_ROWS", self.dumps.dump_rows, True),
+            ("DUMP_SNAPSHOT", self.dumps.dump_snapshot, True),
+            ("DUMP_WAIT", self.dumps.dump_wait, False),
+            ("DUMP_CANCEL", self.dumps.dump_cancel, False),
             ("LOAD_ROWS", self.restore.load_rows, True),
             ("APPLY_STAGED", self.restore.apply_staged, True),
             ("DROP_STAGED", self.restore.drop_staged, True),
@@ -254,7 +257,7 @@ class StorageUnit:
                              f"{len(body['fields'])} fields")
         return into_reply(self._columns(body), body, self.reply_files)
 
-    def _stale(self, indexes, want, what: str) -> StaleRowsError:
+    def stale(self, indexes, want, what: str) -> StaleRowsError:
         gens = self.gens
         stale = [i for i, g in zip(indexes, want) if gens.get(i) != g]
         return StaleRowsError(f"unit {self.unit_id}: {what}: no row of the named generation at "
@@ -267,7 +270,7 @@ class StorageUnit:
         if len(want) != len(indexes):
             raise ValueError(f"{len(want)} generations for {len(indexes)} indexes")
         if list(map(self.gens.get, indexes)) != want:
-            raise self._stale(indexes, want, "read")
+            raise self.stale(indexes, want, "read")
         out = []
         rows = self.rows
         for idx in indexes:
@@ -326,101 +329,14 @@ class StorageUnit:
         self.gens.clear()
         forget_shapes()
 
-    # ---------------------------------------------------------------- dump
-    def _start_dump(self, body) -> DumpJob:
-        """Snapshot the selected rows by reference now; write the shard in a worker thread.
-
-        C-level passes only: a stored row's dict is never changed in place (puts copy on
-        write), so the writer picks the dumped fields out of the very dicts taken here.
-        Every row must hold the generation ``gens`` names (else StaleRowsError, nothing
-        taken); its record names it, with ``partition_id`` and its key (``keys``).
-        """
-        indexes, fields_of = unpack_int64(body["indexes"]), unpack_int64(body["fields_of"])
-        want, keys = unpack_int64(body["gens"]), body["keys"]
-        if not len(indexes) == len(fields_of) == len(want) == len(keys):
-            raise ValueError(f"dump {body['dump_id']}: {len(indexes)} indexes but "
-                             f"{len(fields_of)} field-set numbers, {len(want)} generations "
-                             f"and {len(keys)} keys")
-        if fields_of and not 0 <= min(fields_of) <= max(fields_of) < len(body["field_sets"]):
-            raise ValueError(f"dump {body['dump_id']}: a field-set number outside the "
-                             f"{len(body['field_sets'])} field sets given")
-        if array("q", map(self.gens.get, indexes, repeat(-1))) != array("q", want):
-            raise self._stale(indexes, want, f"dump {body['dump_id']}")
-        rows = list(map(self.rows.__getitem__, indexes))
-        # parallel columns, no tuple per row: nothing here for the collector to count
-        job = DumpJob(body["dump_id"], (indexes, rows, fields_of, want, keys),
-                      body["field_sets"], self.unit_id, body["partition_id"])
-        if body.get("path") is not None:
-            job.target(body["path"], bool(body.get("index")))
-        self.dump_jobs[job.dump_id] = job
-        job.on_done(lambda: self._account_dump(job))
-        if job.path is not None:
-            self._write(job)
-        return job
-
-    def _write(self, job: DumpJob) -> None:
-        job.move(st.WRITING)
-        self.pool.submit(job.run)
-
-    def _account_dump(self, job: DumpJob) -> None:
-        m = self.metrics
-        if job.result is not None:
-            m.add("dumps_total")
-            m.add("dump_rows_total", job.result["rows"])
-            m.add("dump_bytes_total", job.result["bytes"])
-            m.add("dump_seconds_total", job.result["seconds"])
-        else:
-            m.add("dump_errors_total")
-
-    def _reply_when_done(self, job: DumpJob, req):
-        deferred = self.server.deferred(req, self.server.current_ident)
-
-        def done():
-            self.dump_jobs.pop(job.dump_id, None)
-            if job.error is not None:
-                deferred.reply(error=job.error)
-            else:
-                deferred.reply(job.result)
-        job.on_done(done)
-        return deferred
-
-    def dump_rows(self, body, req):
-        """Snapshot and write; reply when the shard is written and fsynced."""
-        return self._reply_when_done(self._start_dump(body), req)
-
-    def dump_snapshot(self, body, req):
-        """Snapshot now and reply at once; without a ``path`` the write waits for DUMP_WAIT."""
-        job = self._start_dump(body)
-        return {"rows": len(job.snapshot[0])}
-
-    def dump_wait(self, body, req):
-        """Reply when the shard is written (starting the write at ``path`` if not begun)."""
-        job = self.dump_jobs.get(body["dump_id"])
-        if job is None:
-            raise RuntimeError(f"unit {self.unit_id} has no dump {body['dump_id']} running")
-        if not job.started:
-            job.target(body["path"], bool(body.get("index")))
-            self._write(job)
-        return self._reply_when_done(job, req)
-
-    def dump_cancel(self, body, req):
-        job = self.dump_jobs.get(body["dump_id"])
-        if job is not None:
-            started = job.started
-            if not started:
-                self.dump_jobs.pop(job.dump_id, None)
-            job.cancel()
-            log.info("dump %s: unit %d %s", job.dump_id, self.unit_id,
-                     "cancelling its shard write" if started else "cancelled before writing")
-        return {"cancelled": job is not None}
-
     def stats(self, body, req):
         """GET_STATS (alias STATS): rows/bytes held (running totals), staged restores, ops."""
         m = self.metrics
         return {"role": "unit", "unit_id": self.unit_id, "pid": os.getpid(), "node": node_name(),
                 "uptime": time.time() - self.started, "address": self.address,
                 "rows": len(self.rows), "bytes": self.bytes_held,
-                "staged_restores": self.restore.staged_ids(), "open_dumps": list(self.dump_jobs),
+                "staged_restores": self.restore.staged_ids(),
+                "open_dumps": list(self.dumps.jobs),
                 "metrics_enabled": m.enabled,
                 "reply_files": self.reply_files.files,
                 "result_copies": self.reply_files.copies,
