@@ -161,6 +161,12 @@ class JournalBusyError(TqtxError, TimeoutError):
     writer in a long transaction, or a stuck process holding it. The file is not damaged."""
 
 
+class CheckpointBusyError(TqtxError, RuntimeError):
+    """A unit holds as many staged checkpoint loads as it keeps, each of a
+    ``load_checkpoint`` still in progress: this load changed nothing. ``load_checkpoint``
+    tries again a few times before raising it; a caller may try again later."""
+
+
 class StateDirInUseError(TqtxError, RuntimeError):
     """Another live controller owns the state directory."""
 

@@ -25,5 +25,5 @@ ERRORS = (
     "TargetNotADumpError", "ReadOnlyDumpError", "DumpNotFoundError",
     "FieldsNotFoundError", "PartitionNotFoundError", "SchemaConflictError",
     "RowsLostError", "StaleRowsError", "PutPartlyAppliedError", "JournalWriteError",
-    "NotInitializedError",
+    "NotInitializedError", "CheckpointBusyError",
 )

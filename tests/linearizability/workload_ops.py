@@ -42,7 +42,8 @@ def classify(kind: str, exc: BaseException) -> str:
         return "info"
     if isinstance(exc, tq.RowsLostError):
         return "fail" if kind in READS else "info"
-    if isinstance(exc, (ValueError, TypeError, tq.PartitionNotFoundError)):
+    if isinstance(exc, (ValueError, TypeError, tq.PartitionNotFoundError,
+                        tq.CheckpointBusyError)):
         return "fail"
     return "info"
 

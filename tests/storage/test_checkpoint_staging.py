@@ -8,6 +8,7 @@ import types
 import pytest
 
 from tqtx import states as st
+from tqtx.errors import CheckpointBusyError
 from tqtx.storage import checkpoints
 from tqtx.storage.checkpoints import StagedLoad, UnitCheckpoints
 
@@ -21,7 +22,7 @@ def test_a_load_beyond_the_fresh_staged_ones_is_refused_and_changes_nothing():
     for i in range(checkpoints.STAGED_LOADS):
         cp._stage(StagedLoad(f"l{i}"))
     extra = StagedLoad("late")
-    with pytest.raises(RuntimeError, match="unit 3 holds 2 checkpoint loads staged"):
+    with pytest.raises(CheckpointBusyError, match="unit 3 holds 2 checkpoint loads staged"):
         cp._stage(extra)
     assert extra.state == st.FAILED
     assert list(cp.staged) == [f"l{i}" for i in range(checkpoints.STAGED_LOADS)]

@@ -15,7 +15,7 @@ import time
 from .. import faults, fsutil, paths, routing
 from .. import format as fmt
 from ..publish import Publication, check_publish_target, dump_lock, recover_publications
-from ..errors import DumpFormatError, DumpNotFoundError, TqtxError
+from ..errors import CheckpointBusyError, DumpFormatError, DumpNotFoundError, TqtxError
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
 from ..journal.dump import DumpJournal
 from ..arguments import check_snapshot_names
@@ -267,21 +267,35 @@ def load(client, ckpt_dir: str) -> dict:
             per_unit[entry["unit"]] = {"path": path, "entries": entries}
         # The controller refuses while a restore is unresolved, before any unit is touched.
         client.controller.call("CHECKPOINT_SNAPSHOT", {})
-        load_id = new_id()
-        for body in per_unit.values():
-            body["load_id"] = load_id
-        try:
-            client.fan_out("LOAD_CHECKPOINT", per_unit)  # every unit reads and stages
-        except BaseException:
-            call_many([(client.unit(u), "DROP_CHECKPOINT", {"load_id": load_id})
-                       for u in per_unit], raise_first=False, timeout=30)
-            raise
+        load_id = _stage_everywhere(client, per_unit)
         # The controller journals the checkpoint's metadata (the decision), then switches
         # every unit to its staged rows: a crash in between is rolled forward at restart.
         client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta, "load_id": load_id})
     return {"dir": ckpt_dir, "metadata": saved["user_metadata"],
             "storage_saved": saved["storage_saved"], "seconds": time.perf_counter() - t0,
             "keys": sum(len(p["rows"]) for p in meta["partitions"].values())}
+
+
+def _stage_everywhere(client, per_unit: dict) -> str:
+    """LOAD_CHECKPOINT on every unit (each reads and stages its rows, invisible); the load
+    ID. A unit busy with the staged loads of other load_checkpoint calls refuses
+    (CheckpointBusyError): what was staged is dropped and the load tried again, at most
+    FENCE_ATTEMPTS times. Any other failure drops what was staged and is raised."""
+    attempt = 0
+    while True:
+        load_id = new_id()
+        for body in per_unit.values():
+            body["load_id"] = load_id
+        try:
+            client.fan_out("LOAD_CHECKPOINT", per_unit)
+            return load_id
+        except BaseException as exc:
+            call_many([(client.unit(u), "DROP_CHECKPOINT", {"load_id": load_id})
+                       for u in per_unit], raise_first=False, timeout=30)
+            attempt += 1
+            if not isinstance(exc, CheckpointBusyError) or attempt == FENCE_ATTEMPTS:
+                raise
+        fence_pause(attempt)
 
 
 def _log_load(ckpt_dir: str, mpath: str, entry: dict, keep: dict) -> dict:

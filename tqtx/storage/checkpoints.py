@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from .. import format as fmt
 from .. import states as st
-from ..errors import DumpFormatError
+from ..errors import CheckpointBusyError, DumpFormatError
 from ..wire.columns import unpack_int64
 from ..wire.values import row_nbytes
 from .logdir import replay_files
@@ -225,7 +225,7 @@ class UnitCheckpoints:
                     oldest = next(iter(staged.values()))
                     if now - oldest.staged_at < STALE_AFTER:
                         load.move(st.FAILED)
-                        raise RuntimeError(
+                        raise CheckpointBusyError(
                             f"unit {self.unit.unit_id} holds {len(staged)} checkpoint loads "
                             f"staged by load_checkpoint calls still in progress; nothing was "
                             f"loaded: try again once they finish")

@@ -4,7 +4,8 @@
 """
 from __future__ import annotations
 
-from ..errors import (ControllerRecoveringError, DumpFormatError, DumpNotFoundError,
+from ..errors import (CheckpointBusyError, ControllerRecoveringError, DumpFormatError,
+                      DumpNotFoundError,
                       FieldsNotFoundError, JournalWriteError, KeysNotFoundError,
                       PartitionNotFoundError, RemoteError, RestorePendingError, RowsLostError,
                       SchemaConflictError, StaleRowsError)
@@ -46,7 +47,8 @@ _BUILTIN = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyErr
             "SchemaConflictError": SchemaConflictError,
             "IllegalTransition": RuntimeError, "InjectedFault": RuntimeError,
             "ControllerRecoveringError": ControllerRecoveringError,
-            "JournalWriteError": JournalWriteError, "IsADirectoryError": IsADirectoryError}
+            "JournalWriteError": JournalWriteError, "IsADirectoryError": IsADirectoryError,
+            "CheckpointBusyError": CheckpointBusyError}
 
 
 def raise_remote(err: dict, peer: str):
