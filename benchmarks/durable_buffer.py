@@ -2,8 +2,8 @@
 """What the row log (durability "buffer" and "sync") costs and what it buys back.
 
     python benchmarks/durable_buffer.py [--units 2] [--writers 8] [--seconds 5]
-                                        [--keys 50000] [--key-bytes 21000] [--dir DIR]
-                                        [--quick] [--json P]
+                                        [--ckpt-mb 256] [--reps 5] [--keys 50000]
+                                        [--key-bytes 21000] [--dir DIR] [--quick] [--json P]
 
 On disk (--dir, default the temp dir), each figure in one run against its baseline:
 
@@ -14,6 +14,10 @@ On disk (--dir, default the temp dir), each figure in one run against its baseli
   ``controller`` (no fsync) is the baseline.
 * ``fsync``: the median of 200 fsyncs of a 4 KiB append on the same disk (the floor a
   ``sync`` put pays; a tiny put targets one fsync + 0.3 ms, see benchmarks/durability.py).
+* ``checkpoint``: a --ckpt-mb MiB buffer (64 KiB rows) put once; ``save_checkpoint`` and
+  ``load_checkpoint`` with ``controller`` (the units write their rows) against ``buffer``
+  (the units link their row log's files; target: save <= 20% of ``controller``'s), the log
+  given time to catch up before each save (a training step between checkpoints).
 * ``recovery``: --keys keys of --key-bytes each (default 50,000 x 21 KB = 1 GiB) put with
   ``buffer``, every process SIGKILLed, then a new ``tq.init`` on the state dir: seconds
   until it serves (``init`` returned and every unit registered; target <= 2 s), until
@@ -104,6 +108,38 @@ def fsync_floor(root: str) -> float:
     return median(times)
 
 
+def checkpoints(args, root: str) -> dict:
+    import torch
+    from tensordict import TensorDict
+
+    import tqtx as tq
+    rows = max(1, args.ckpt_mb * 16)  # 64 KiB rows
+    keys = [f"k{i}" for i in range(rows)]
+    data = TensorDict({"x": torch.rand(rows, 16384)}, batch_size=[rows])
+    out = {}
+    for setting in ("controller", "buffer"):
+        state = os.path.join(root, f"ckpt-state-{setting}")
+        tq.init({"num_units": args.units, "state_dir": state, "durability": setting})
+        tq.kv_batch_put(keys, "p", data)
+        saves, loads = [], []
+        for rep in range(args.reps):
+            time.sleep(2.0)  # the row log catches up, as during a training step
+            ckpt = os.path.join(root, f"ckpt-{setting}-{rep}")
+            t0 = time.perf_counter()
+            tq.save_checkpoint(ckpt)
+            saves.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tq.load_checkpoint(ckpt)
+            loads.append(time.perf_counter() - t0)
+            shutil.rmtree(ckpt, ignore_errors=True)
+        tq.close()
+        shutil.rmtree(state, ignore_errors=True)
+        out[setting] = {"save s": median(saves), "load s": median(loads)}
+    out["save buffer / controller"] = out["buffer"]["save s"] / out["controller"]["save s"]
+    out["load buffer / controller"] = out["buffer"]["load s"] / out["controller"]["load s"]
+    return out
+
+
 def recovery(args, root: str) -> dict:
     import torch
     from tensordict import TensorDict
@@ -160,16 +196,19 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--keys", type=int, default=50_000)
     ap.add_argument("--key-bytes", type=int, default=21_000)
+    ap.add_argument("--ckpt-mb", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
         args.seconds, args.keys, args.key_bytes = 2.0, 5_000, 4_000
+        args.ckpt_mb, args.reps = 32, 2
     root = tempfile.mkdtemp(prefix="tqtx-durable-", dir=args.dir)
     try:
         out = {"fsync s": fsync_floor(root), "writers": sync_writers(args, root),
-               "recovery": recovery(args, root)}
+               "checkpoint": checkpoints(args, root), "recovery": recovery(args, root)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"fsync of a 4 KiB append (median): {out['fsync s'] * 1e3:.3f} ms")
@@ -177,6 +216,11 @@ def main() -> int:
         print(f"{setting:10s} 1 writer {r['1 writer rows/s']:8.0f} rows/s   {args.writers} "
               f"writers {r[f'{args.writers} writers rows/s']:8.0f} rows/s   ratio "
               f"{r['ratio']:.2f}   per process {r['per process rows/s']:.0f} rows/s")
+    c = out["checkpoint"]
+    print(f"checkpoint of {args.ckpt_mb} MiB: save {c['controller']['save s']:.3f} s "
+          f"(controller) / {c['buffer']['save s']:.3f} s (buffer) = "
+          f"{c['save buffer / controller']:.3f}; load {c['controller']['load s']:.3f} / "
+          f"{c['buffer']['load s']:.3f} s = {c['load buffer / controller']:.2f}")
     r = out["recovery"]
     print(f"recovery of {r['keys']} keys ({r['log bytes'] / 2**20:.0f} MiB of row log): "
           f"serving in {r['serving s']:.2f} s, all readable in {r['all readable s']:.2f} s "
