@@ -1,6 +1,7 @@
 """Crash matrix, row log part: a unit of a ``sync`` deployment is killed (or its step raises)
-at every point of its row log (crash_table.ROWLOG), then the whole job is SIGKILLed and
-started again on the same state dir. Every put acknowledged before the fault is back bit for
+at every point of its row log (crash_table.ROWLOG), or the controller of a ``buffer``
+deployment at its durable cut, then the whole job is SIGKILLed and started again on the
+same state dir. Every put acknowledged before the fault is back bit for
 bit, every acknowledged clear stays cleared, and the keys of the operation in flight hold
 their own value or are absent. Real processes, loopback only.
 
@@ -27,7 +28,9 @@ ROUNDS = 12
 FAST = {("unit.rowlog.after_append", "kill"), ("unit.rowlog.compact.after_rename", "kill")}
 # the hit of the point that fires: late enough for puts to be acknowledged before it
 NTH = {"unit.rowlog.before_append": 3, "unit.rowlog.after_append": 3,
-       "unit.rowlog.before_fsync": 3}
+       "unit.rowlog.before_fsync": 3,
+       # the first cut is the start's own commit, before the units registered
+       "controller.meta.durable_cut.before_commit": 3}
 
 
 def _cases():
@@ -49,8 +52,8 @@ def _kill_everything() -> None:
     api._client = api._deployment = api._config = None
 
 
-def _unit_log(state: str) -> str:
-    with open(os.path.join(state, "logs", "unit-0.log")) as f:
+def _log(state: str, name: str) -> str:
+    with open(os.path.join(state, "logs", f"{name}.log")) as f:
         return f.read()
 
 
@@ -58,12 +61,17 @@ def _unit_log(state: str) -> str:
 def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
     assert outcome == ACKED_KEPT
     state = str(tmp_path / "state")
-    env = {"TQTX_FAULTS": f"{point}@{NTH.get(point, 1)}:{action}",
-           "TQTX_ROWLOG_SEGMENT_BYTES": str(64 << 10),
-           "TQTX_ROWLOG_COMPACT_SLACK": str(96 << 10)}
-    tq_start(2, state_dir=state, durability="sync", flush_interval_s=0.2, unit_env={0: env},
-             timeout=10)
-    unit0 = api._deployment.procs["unit 0"]
+    fault = {"TQTX_FAULTS": f"{point}@{NTH.get(point, 1)}:{action}"}
+    small = {"TQTX_ROWLOG_SEGMENT_BYTES": str(64 << 10),
+             "TQTX_ROWLOG_COMPACT_SLACK": str(96 << 10)}
+    if point.startswith("controller."):  # the controller's cut: durability buffer
+        durability, where = "buffer", {"env": fault}
+    else:
+        durability, where = "sync", {"unit_env": {0: {**fault, **small}}}
+    tq_start(2, state_dir=state, durability=durability, flush_interval_s=0.2, timeout=10,
+             **where)
+    faulty = api._deployment.procs["controller" if point.startswith("controller.")
+                                   else "unit 0"]
     acked: dict[str, list] = {}      # key -> its value, put and not cleared, both acknowledged
     in_flight: dict[str, list] = {}  # keys of a failed operation: their value or absent
     failures = 0
@@ -89,17 +97,18 @@ def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
                 in_flight.update({k: acked.pop(k) for k in prev})
                 break
         prev = keys[2:]
-        if unit0.poll() is not None:
+        if faulty.poll() is not None:
             break
-    time.sleep(0.3)  # a background compaction reaches its point
+    time.sleep(0.6)  # a background compaction or cut reaches its point; the writers catch up
+    name = "controller" if point.startswith("controller.") else "unit-0"
     if action == "kill":
-        assert unit0.poll() is not None, f"unit 0 did not die at {point}"
+        assert faulty.poll() is not None, f"{name} did not die at {point}"
     else:
-        assert failures or "InjectedFault" in _unit_log(state), f"{point} did not fire"
+        assert failures or "InjectedFault" in _log(state, name), f"{point} did not fire"
     assert acked, "no put was acknowledged before the fault"
     _kill_everything()
 
-    tq_start(2, state_dir=state, durability="sync", timeout=10)
+    tq_start(2, state_dir=state, durability=durability, timeout=10)
     client = tq.get_client()
     deadline = time.monotonic() + 60
     while not client.controller.call("TOPOLOGY")["ready"]:

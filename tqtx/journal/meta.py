@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 from sqlalchemy import Engine
 
 from .. import durability as dur
+from .. import faults
 from ..wire import codec
 from .base import journal_writes
 
@@ -228,6 +229,7 @@ class MetaJournal:
         db = self._db
         n = self.cuts + 1
         self._last_cut = time.monotonic()  # a failed cut is tried again an interval later
+        faults.hit("controller.meta.durable_cut.before_commit")
         with journal_writes(self.path):
             db.execute("PRAGMA synchronous=FULL")
             try:
