@@ -378,6 +378,55 @@ def test_driver_sigkill_stops_actors_and_servers(cluster, tmp_path):
             proc.wait(10)
 
 
+BUFFER_DRIVER = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    ray.init(address=sys.argv[1], include_dashboard=False, log_to_driver=False)
+    import torch
+    from tensordict import TensorDict
+    import tqtx as tq
+    info = tq.init({"placement": "ray", "num_units": 2, "state_dir": sys.argv[2],
+                    "ray_num_cpus": 0.5, "unit_node_resource": "storage",
+                    "durability": "buffer", "flush_interval_s": 0.2})
+    keys = [f"k{i}" for i in range(16)]
+    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.arange(64).reshape(16, 4)},
+                                          batch_size=[16]))
+    time.sleep(1.0)  # the units' row logs written and fsynced
+    print(json.dumps(info["pids"]), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_killed_ray_job_brings_its_buffer_back_on_the_same_nodes(cluster, ray_tq, tmp_path):
+    """Durability buffer on Ray: each unit logs on its node; the driver is SIGKILLed (its
+    servers go with it), and a new deployment on the same state dir and nodes serves every
+    row again."""
+    state = str(tmp_path / "state")
+    proc = subprocess.Popen([sys.executable, "-c", BUFFER_DRIVER, cluster["address"], state],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "the driver did not start its deployment"
+        pids = list(json.loads(line).values())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert _wait_gone(pids, 90) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    ray_tq(num_units=2, unit_node_resource="storage", durability="buffer", state_dir=state)
+    client = tq.get_client()
+    deadline = time.monotonic() + 60
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        assert time.monotonic() < deadline, "the units did not re-register"
+        time.sleep(0.1)
+    keys = [f"k{i}" for i in range(16)]
+    assert sorted(tq.kv_list()["p"]) == sorted(keys) and tq.list_lost_keys() == {}
+    assert tq.kv_batch_get(keys, "p")["x"].tolist() == torch.arange(64).reshape(16, 4).tolist()
+
+
 def _victim(cluster, tag):
     node = cluster["cluster"].add_node(num_cpus=1, resources={tag: 1}, node_ip_address=LOOPBACK)
     node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and tag in n["Resources"])
