@@ -392,18 +392,20 @@ class RowLog:
 
     # ---------------------------------------------------------------- end
     def close(self, *, remove: bool = False) -> None:
-        """Write and fsync what is queued, stop the writer; with ``remove`` delete every
-        file of the log (a clean close that keeps no buffer)."""
+        """Write and fsync what is queued, stop the writer; with ``remove`` (a clean close
+        that keeps no buffer) drop what is queued instead and delete every file of the log."""
         self.write()
         with self._cond:
+            if remove:  # only replies still wait in the queue; their rows go with the log
+                self._queue = [i for i in self._queue if type(i) is tuple]
             self._stopped = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        if self._compactor is not None:  # its files are renamed or removed, not left half
-            self._compactor.join(timeout=60)
         else:
             self._sync_and_reply(self._write_items(self._queue))
+        if self._compactor is not None:  # its files are renamed or removed, not left half
+            self._compactor.join(timeout=60)
         for fd in [*self._sealed, self._fd]:
             if fd >= 0:
                 os.close(fd)
