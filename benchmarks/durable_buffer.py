@@ -2,7 +2,8 @@
 """What the row log (durability "buffer" and "sync") costs and what it buys back.
 
     python benchmarks/durable_buffer.py [--units 2] [--writers 8] [--seconds 5]
-                                        [--ckpt-mb 256] [--reps 5] [--keys 50000]
+                                        [--ckpt-mb 256] [--reps 5] [--churn-live-mb 128]
+                                        [--churn-seconds 30] [--keys 50000]
                                         [--key-bytes 21000] [--dir DIR] [--quick] [--json P]
 
 On disk (--dir, default the temp dir), each figure in one run against its baseline:
@@ -18,6 +19,10 @@ On disk (--dir, default the temp dir), each figure in one run against its baseli
   ``load_checkpoint`` with ``controller`` (the units write their rows) against ``buffer``
   (the units link their row log's files; target: save <= 20% of ``controller``'s), the log
   given time to catch up before each save (a training step between checkpoints).
+* ``churn``: 4 writer threads put 64 KiB rows and clear them again (each keeps its last
+  --churn-live-mb / 4 MiB) for --churn-seconds with ``buffer``; the row logs' bytes on disk
+  against the live bytes, sampled every 0.2 s after the first quarter (median and max;
+  target: at most 1.5x), then everything cleared: seconds until the logs hold <= 64 MiB.
 * ``recovery``: --keys keys of --key-bytes each (default 50,000 x 21 KB = 1 GiB) put with
   ``buffer``, every process SIGKILLed, then a new ``tq.init`` on the state dir: seconds
   until it serves (``init`` returned and every unit registered; target <= 2 s), until
@@ -140,6 +145,59 @@ def checkpoints(args, root: str) -> dict:
     return out
 
 
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def churn(args, root: str) -> dict:
+    import threading
+
+    import torch
+    from tensordict import TensorDict
+
+    import tqtx as tq
+    state = os.path.join(root, "churn")
+    tq.init({"num_units": args.units, "state_dir": state, "durability": "buffer"})
+    units = os.path.join(state, "units")
+    keep = max(1, args.churn_live_mb * 16 // 4)  # rows kept per writer (64 KiB each)
+    stop = threading.Event()
+
+    def writer(w: int) -> None:
+        n = 0
+        row = TensorDict({"x": torch.rand(1, 16384)}, batch_size=[1])
+        while not stop.is_set():
+            tq.kv_batch_put([f"w{w}-{n}"], "churn", row)
+            if n >= keep:
+                tq.kv_clear([f"w{w}-{n - keep}"], "churn")
+            n += 1
+
+    threads = [threading.Thread(target=writer, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    client = tq.get_client()
+    ratios, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < args.churn_seconds:
+        time.sleep(0.2)
+        live = sum(u["bytes"] for u in client.stats()["units"])
+        if time.monotonic() - t0 > args.churn_seconds / 4 and live:
+            ratios.append(_dir_bytes(units) / live)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    tq.kv_clear(list(tq.kv_list("churn").get("churn", {})), "churn")
+    t1 = time.monotonic()
+    while _dir_bytes(units) > 64 << 20 and time.monotonic() - t1 < 120:
+        time.sleep(0.2)
+    settled = time.monotonic() - t1
+    left = _dir_bytes(units)
+    tq.close()
+    shutil.rmtree(state, ignore_errors=True)
+    ratios.sort()
+    return {"disk / live median": ratios[len(ratios) // 2] if ratios else None,
+            "disk / live max": ratios[-1] if ratios else None, "samples": len(ratios),
+            "after clearing all: s to <= 64 MiB": settled, "bytes left": left}
+
+
 def recovery(args, root: str) -> dict:
     import torch
     from tensordict import TensorDict
@@ -197,6 +255,8 @@ def main() -> int:
     ap.add_argument("--keys", type=int, default=50_000)
     ap.add_argument("--key-bytes", type=int, default=21_000)
     ap.add_argument("--ckpt-mb", type=int, default=256)
+    ap.add_argument("--churn-live-mb", type=int, default=128)
+    ap.add_argument("--churn-seconds", type=float, default=30.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--quick", action="store_true")
@@ -205,10 +265,12 @@ def main() -> int:
     if args.quick:
         args.seconds, args.keys, args.key_bytes = 2.0, 5_000, 4_000
         args.ckpt_mb, args.reps = 32, 2
+        args.churn_live_mb, args.churn_seconds = 16, 6.0
     root = tempfile.mkdtemp(prefix="tqtx-durable-", dir=args.dir)
     try:
         out = {"fsync s": fsync_floor(root), "writers": sync_writers(args, root),
-               "checkpoint": checkpoints(args, root), "recovery": recovery(args, root)}
+               "checkpoint": checkpoints(args, root), "churn": churn(args, root),
+               "recovery": recovery(args, root)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"fsync of a 4 KiB append (median): {out['fsync s'] * 1e3:.3f} ms")
@@ -221,6 +283,11 @@ def main() -> int:
           f"(controller) / {c['buffer']['save s']:.3f} s (buffer) = "
           f"{c['save buffer / controller']:.3f}; load {c['controller']['load s']:.3f} / "
           f"{c['buffer']['load s']:.3f} s = {c['load buffer / controller']:.2f}")
+    c = out["churn"]
+    print(f"churn ({args.churn_live_mb} MiB live): row log bytes / live bytes median "
+          f"{c['disk / live median']:.2f}, max {c['disk / live max']:.2f} "
+          f"({c['samples']} samples); cleared: <= 64 MiB after "
+          f"{c['after clearing all: s to <= 64 MiB']:.1f} s ({c['bytes left']} bytes left)")
     r = out["recovery"]
     print(f"recovery of {r['keys']} keys ({r['log bytes'] / 2**20:.0f} MiB of row log): "
           f"serving in {r['serving s']:.2f} s, all readable in {r['all readable s']:.2f} s "
