@@ -49,15 +49,17 @@ class RestoreCoordinator:
 
     ``store_plans``: the plan is journaled with the commit decision (metadata is journaled).
     ``require_units(what)`` raises while a replayed buffer waits for its units;
-    ``topology()``: the topology incarnation; ``defer(fn)``: run ``fn`` between requests."""
+    ``topology()``: the topology incarnation; ``defer(fn)``: run ``fn`` between requests;
+    ``apply_timeout``: seconds a unit has to answer APPLY_STAGED."""
 
     def __init__(self, *, meta: Metadata, journal: ControllerJournal, units: UnitPeers,
                  num_units: int, incarnation: int, store_plans: bool,
                  require_units: Callable[[str], None], topology: Callable[[], int],
-                 defer: Callable[[Callable[[], object]], None]):
+                 defer: Callable[[Callable[[], object]], None], apply_timeout: float = 10.0):
         self.meta, self.journal, self.units, self.num_units = meta, journal, units, num_units
         self.incarnation, self.store_plans = incarnation, store_plans
         self.require_units, self.topology, self.defer = require_units, topology, defer
+        self.apply_timeout = apply_timeout
         self.plans: dict[str, RestorePlan] = {}  # unresolved restores, by restore ID
 
     # ---------------------------------------------------------------- begin
@@ -354,8 +356,10 @@ class RestoreCoordinator:
                                   plan.apply_rids.setdefault(u, new_id())))
             if not calls:
                 break
+            # a redo re-reads the dump; an apply waits, with durability sync, for the fsync
+            # of every row it applied
             redoing = any(op == "REDO_RESTORE" for _u, op, _b, _r in calls)
-            results = self.units.call(calls, timeout=60 if redoing else 10)
+            results = self.units.call(calls, timeout=60 if redoing else self.apply_timeout)
             for (uid, op, _b, _r), res in zip(calls, results):
                 if isinstance(res, BaseException):
                     plan.last_error[uid] = res

@@ -103,7 +103,9 @@ class Controller:
             meta=self.meta, journal=self.journal, units=self.unit_peers, num_units=num_units,
             incarnation=self.incarnation, store_plans=self.metajournal.enabled,
             require_units=self._require_units, topology=self._topology,
-            defer=self.server.call_soon)
+            defer=self.server.call_soon,
+            # with sync a unit answers once the applied rows are fsynced
+            apply_timeout=60.0 if durability == dur.SYNC else 10.0)
         self.kv = KVRequests(
             meta=self.meta, journal=self.journal, metajournal=self.metajournal,
             units=self.unit_peers, num_units=num_units, incarnation=self.incarnation,
