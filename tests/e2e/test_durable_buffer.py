@@ -71,6 +71,10 @@ def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path,
     assert tq.kv_list(PID + "-t") == {PID + "-t": {"tag-only": {"status": "running"}}}
     stats = tq.get_client().stats()
     assert stats["controller"]["lost_rows"] == 0
+    for u in stats["units"]:
+        log = u["row_log"]
+        assert log["dir"].endswith(f"units/unit-{u['unit_id']}") and log["error"] is None
+        assert log["sync"] == (durability == "sync") and log["disk_bytes"] > 0
     # and the recovered buffer carries on: a put and a clear after the recovery
     tq.kv_batch_put(["new"], PID, _batch(["new"], 99))
     tq.kv_clear(["k0"], PID)

@@ -128,6 +128,14 @@ class RowLog:
         """Log that every row went (a checkpoint replaced them; its rows follow)."""
         self._batch.append((fl.RESET,))
 
+    def stats(self) -> dict:
+        """What STATS reports of the log: its directory and mode, its files' bytes, the
+        batches queued for the writer, fsyncs and compactions done, the last write error."""
+        return {"dir": self.dir, "sync": self.sync, "flush_interval_s": self.interval,
+                "disk_bytes": self._disk, "queued": len(self._queue), "fsyncs": self.fsyncs,
+                "compactions": self.compactions,
+                "error": None if self.error is None else str(self.error)}
+
     @property
     def dirty(self) -> bool:
         """Changes not yet queued for the writer."""

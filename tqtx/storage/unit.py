@@ -159,6 +159,8 @@ class StorageUnit:
         m.gauge("rows_held", lambda: len(self.rows))
         m.gauge("bytes_held", lambda: self.bytes_held)
         m.gauge("open_restores", lambda: len(self.restore.staging))
+        if self.rowlog is not None:
+            m.gauge("row_log_bytes", lambda: self.rowlog.stats()["disk_bytes"])
 
     def _logged(self, fn, *, stores: bool):
         """``fn`` followed by queueing what it logged. A request that ``stores`` rows is
@@ -343,7 +345,8 @@ class StorageUnit:
                 "ops": m.ops_snapshot(), "totals": m.totals_snapshot(),
                 # malloc's free bytes (resident or handed back) and how often it trimmed
                 "malloc_free_bytes": free_bytes(),
-                "malloc_trims": self.trimmer.trims if self.trimmer is not None else 0}
+                "malloc_trims": self.trimmer.trims if self.trimmer is not None else 0,
+                "row_log": self.rowlog.stats() if self.rowlog is not None else None}
 
     def serve_forever(self) -> None:
         try:
