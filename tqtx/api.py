@@ -396,7 +396,7 @@ def kv_list(partition_id: str | None = None) -> dict:
     check_call("kv_list", locals())
     from .client import tensors
     raw = _client_of().list_keys(partition_id)
-    return {pid: {k: tensors.decode_object(t) for k, t in keys.items()}
+    return {pid: {k: tensors.decode_tag(t) for k, t in keys.items()}
             for pid, keys in raw.items()}
 
 

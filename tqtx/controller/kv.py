@@ -26,7 +26,7 @@ from ..journal.controller import ControllerJournal
 from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
-from .metadata import EMPTY, GEN_SHIFT, Metadata
+from .metadata import EMPTY, GEN_SHIFT, NO_TAG, Metadata
 from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")
@@ -233,8 +233,8 @@ class KVRequests:
         out = {}
         for p in parts:
             lost, tags = p.lost, p.tags
-            keys = {k: tags.get(k, {}) for k, i in p.keys.items() if i not in lost} \
-                if lost else {k: tags.get(k, {}) for k in p.keys}
+            keys = {k: tags.get(k, NO_TAG) for k, i in p.keys.items() if i not in lost} \
+                if lost else dict(zip(p.keys, map(tags.get, p.keys, repeat(NO_TAG))))
             if keys:
                 out[p.pid] = keys
         return out
