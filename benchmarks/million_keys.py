@@ -8,14 +8,16 @@ One deployment per size (``tq.init`` on a fresh state dir under --dir, closed af
 Keys are put in batches of 10k, each a small row (one int64 tensor of 8 values) with a tag.
 Per size, timed:
 
-* ``put``: all keys (reported per key);
+* ``put``: all keys (also per key, and the CPU time per key of the client, the controller
+  and the units together during the puts);
 * ``kv_batch_get 1k``: 1,000 keys spread over the partition;
 * ``kv_list``: the whole partition;
 * ``kv_clear 100k`` (or all keys if fewer), then ``re-put`` of them;
 * ``dump 1k`` / ``dump 100k``: ``dump_data_by_key`` of that many selected keys;
 * ``load 100k``: ``load_data_by_key`` of the 100k dump into the partition (a merge);
-* ``restart -> kv_list``: ``restart_controller()`` (kill -9, start, replay, ready) until a
-  ``kv_list`` returns every key; ``replay`` is the controller log's "replayed N keys in X s";
+* ``restart: ready``: ``restart_controller()`` (kill -9, start, replay, ready announcement);
+  ``restart -> kv_list``: until a ``kv_list`` then returns every key; ``replay``: the
+  controller log's "replayed N keys ... in X s";
 * ``controller RSS``: VmRSS of the controller process with all keys, minus its VmRSS before
   the first put (bytes per key), and after the restart's replay.
 
@@ -41,8 +43,9 @@ from _common import MiB, fs_type, proc_status  # noqa: E402
 
 BATCH = 10_000
 _REPLAYED = re.compile(r"replayed (\d+) keys .* in ([0-9.]+)s")
-OPS = ("put", "put per key", "kv_batch_get 1k", "kv_list", "kv_clear 100k", "re-put 100k",
-       "dump 1k", "dump 100k", "load 100k", "restart -> kv_list", "replay",
+OPS = ("put", "put per key", "put CPU per key: client", "put CPU per key: controller",
+       "put CPU per key: units", "kv_batch_get 1k", "kv_list", "kv_clear 100k", "re-put 100k",
+       "dump 1k", "dump 100k", "load 100k", "restart: ready", "restart -> kv_list", "replay",
        "controller RSS per key", "RSS per key after replay")
 
 
@@ -57,6 +60,13 @@ def _replay_logged(state_dir: str):
     except OSError:
         return None
     return (int(hits[-1][0]), float(hits[-1][1])) if hits else None
+
+
+def _cpu_s(pid) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _timed(fn, *args, **kw):
@@ -88,8 +98,13 @@ def run_size(n: int, a) -> dict:
                                            batch_size=[m]),
                                 tags=[{"step": b // BATCH}] * m)
 
+        units = [p for name, p in tqtx.api._deployment.pids.items() if name != "controller"]
+        cpu0 = (time.process_time(), _cpu_s(ctl), sum(map(_cpu_s, units)))
         out["put"], _ = _timed(put, 0, n)
         out["put per key"] = out["put"] / n
+        cpu1 = (time.process_time(), _cpu_s(ctl), sum(map(_cpu_s, units)))
+        for name, a0, a1 in zip(("client", "controller", "units"), cpu0, cpu1):
+            out[f"put CPU per key: {name}"] = (a1 - a0) / n
         out["controller RSS per key"] = (proc_status(ctl)["VmRSS"] - rss0) / n
         sample = [_key(i) for i in range(0, n, max(1, n // 1000))][:1000]
         out["kv_batch_get 1k"], got = _timed(tq.kv_batch_get, sample, pid)
@@ -110,6 +125,7 @@ def run_size(n: int, a) -> dict:
         assert r["keys"] == c, r
         t0 = time.perf_counter()
         tqtx.api._deployment.restart_controller()
+        out["restart: ready"] = time.perf_counter() - t0
         listed = tq.kv_list(pid)
         out["restart -> kv_list"] = time.perf_counter() - t0
         assert len(listed.get(pid, {})) == n, len(listed.get(pid, {}))
@@ -132,7 +148,7 @@ def _fmt(op: str, v: float) -> str:
         return "-"
     if "RSS" in op:
         return f"{v:.0f} B"
-    if op == "put per key":
+    if op.startswith("put") and "per key" in op:
         return f"{v * 1e6:.1f} us"
     return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
 
