@@ -37,6 +37,22 @@ META_OPS = ("commit_put", "clear", "checkpoint_replace", "restore_publish", "uni
 META_STAGES = ("before_commit", "after_commit", "before_reply")
 
 
+def _tag_columns(keys: list[str], key_tags) -> dict:
+    """``{"keys", "tags", "tag_of"}`` of LIST's columnar reply (the tag objects are alive
+    in the metadata while this runs, so their ids are theirs)."""
+    number: dict[int, int] = {}
+    distinct: list[dict] = []
+
+    def index_of(tag: dict) -> int:
+        i = number.get(id(tag))
+        if i is None:
+            i = number[id(tag)] = len(distinct)
+            distinct.append(tag)
+        return i
+
+    return {"keys": keys, "tags": distinct, "tag_of": pack_int64(map(index_of, key_tags))}
+
+
 class HeldTags:
     """Tags a background dump's DESCRIBE held by reference, until its thread takes them.
 
@@ -223,21 +239,27 @@ class KVRequests:
 
     def list_keys(self, body, req):
         """Visible keys with their tags, per partition; keys whose rows were lost are left
-        out (``lost``: only those, see :mod:`tqtx.controller.lost`)."""
+        out (``lost``: only those, see :mod:`tqtx.controller.lost`). With ``columnar``:
+        ``{"columnar": True, "partitions": {pid: {"keys", "tags", "tag_of"}}}``, each
+        distinct tag object once in ``tags`` and ``tag_of`` (packed int64) numbering the
+        keys' tags in it (keys given equal tags share one object, Metadata)."""
         pid = body.get("partition_id")
         parts = self.meta.visible()
         if pid is not None:
             parts = [p for p in parts if p.pid == pid]
         if body.get("lost"):
             return lost_keys(parts)
+        columnar = bool(body.get("columnar"))
         out = {}
         for p in parts:
             lost, tags = p.lost, p.tags
-            keys = {k: tags.get(k, NO_TAG) for k, i in p.keys.items() if i not in lost} \
-                if lost else dict(zip(p.keys, map(tags.get, p.keys, repeat(NO_TAG))))
-            if keys:
-                out[p.pid] = keys
-        return out
+            keys = [k for k, i in p.keys.items() if i not in lost] if lost else list(p.keys)
+            if not keys:
+                continue
+            key_tags = map(tags.get, keys, repeat(NO_TAG))
+            out[p.pid] = _tag_columns(keys, key_tags) if columnar else \
+                dict(zip(keys, key_tags))
+        return {"columnar": True, "partitions": out} if columnar else out
 
     def clear(self, body, req):
         pid = body["partition_id"]
