@@ -26,7 +26,8 @@ from ..journal.controller import ControllerJournal
 from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
-from .metadata import EMPTY, GEN_SHIFT, NO_TAG, Metadata
+from .metadata import EMPTY, GEN_SHIFT, Metadata
+from .tags import NO_TAG
 from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")

@@ -23,51 +23,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from math import copysign
 
 from ..errors import KeysNotFoundError, RowsLostError
 from ..journal.meta import MetaChange
 from ..routing import owner
 from ..schema import check_schema_compatible, merge_schema
+from .tags import NO_TAG, merge_tag
 
 EMPTY: frozenset = frozenset()
-# The tag of every key stored without one. Tag dicts held by the metadata are shared by the
-# keys with equal tags and are never changed in place (a change stores a new dict).
-NO_TAG: dict = {}
-_TAG_ATOMS = (str, int, bool, type(None), bytes)
-
-
-def tag_form(tag: dict):
-    """A hashable form of ``tag``, equal for tags that are equal with the same value types
-    (``1``, ``True`` and ``1.0`` differ, so do ``0.0`` and ``-0.0``); None when a value is
-    not a str, int, bool, float, bytes or None (such tags are not shared)."""
-    form = []
-    for k, v in tag.items():
-        t = type(v)
-        if t is float:
-            form.append((k, t, v, copysign(1.0, v)))
-        elif t in _TAG_ATOMS and type(k) is str:
-            form.append((k, t, v))
-        else:
-            return None
-    return tuple(form)
-
-
-def merge_tag(old: dict | None, new: dict | None, memo: dict) -> dict:
-    """``{**old, **new}`` as a new dict, or ``old`` when ``new`` is empty; equal merges
-    within one request (``memo``, kept for the request) give one shared dict. ``old`` must
-    stay alive while ``memo`` does (it is keyed by identity)."""
-    if not new:
-        return old or NO_TAG
-    form = tag_form(new)
-    if form is None:
-        return {**(old or NO_TAG), **new}
-    key = (id(old), form)
-    out = memo.get(key)
-    if out is None:
-        out = memo[key] = {**(old or NO_TAG), **new}
-    return out
-
 # Generations are ``incarnation << GEN_SHIFT | counter``: 2**40 keys per controller
 # incarnation, 2**23 incarnations of a state dir in an int64.
 GEN_SHIFT = 40
