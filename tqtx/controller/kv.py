@@ -39,19 +39,14 @@ META_STAGES = ("before_commit", "after_commit", "before_reply")
 
 
 def _tag_columns(keys: list[str], key_tags) -> dict:
-    """``{"keys", "tags", "tag_of"}`` of LIST's columnar reply (the tag objects are alive
-    in the metadata while this runs, so their ids are theirs)."""
-    number: dict[int, int] = {}
-    distinct: list[dict] = []
-
-    def index_of(tag: dict) -> int:
-        i = number.get(id(tag))
-        if i is None:
-            i = number[id(tag)] = len(distinct)
-            distinct.append(tag)
-        return i
-
-    return {"keys": keys, "tags": distinct, "tag_of": pack_int64(map(index_of, key_tags))}
+    """``{"keys", "tags", "tag_of"}`` of LIST's columnar reply, numbering the tag objects by
+    identity in C-level passes (they are alive in the metadata, so their ids are theirs)."""
+    objs = list(key_tags)
+    ids = list(map(id, objs))
+    distinct = dict(zip(ids, objs))  # first-seen order
+    number = {i: n for n, i in enumerate(distinct)}
+    return {"keys": keys, "tags": list(distinct.values()),
+            "tag_of": pack_int64(map(number.__getitem__, ids))}
 
 
 class HeldTags:
