@@ -394,10 +394,7 @@ def kv_list(partition_id: str | None = None) -> dict:
     """``{partition_id: {key: tag}}`` for one partition or all. Keys whose rows were lost
     are left out (:func:`list_lost_keys` names them)."""
     check_call("kv_list", locals())
-    from .client import tensors
-    raw = _client_of().list_keys(partition_id)
-    return {pid: {k: tensors.decode_object(t) for k, t in keys.items()}
-            for pid, keys in raw.items()}
+    return _client_of().list_keys(partition_id, decode=True)
 
 
 def kv_clear(keys: list[str] | str, partition_id: str) -> None:

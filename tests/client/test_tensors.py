@@ -270,3 +270,11 @@ def test_from_raw_copies():
     y = T.from_raw(RawTensor("int32", (4,), buf))
     buf[0] = 99
     assert y.tolist() == [0, 1, 2, 3]
+
+
+def test_decode_tag_keeps_a_plain_tag_and_decodes_one_holding_tensors():
+    plain = _wire({"step": 3, "name": "a", "score": 0.5, "none": None})
+    assert T.decode_tag(plain) is plain
+    wired = _wire({"t": T.encode_object(torch.arange(3), "tag"), "xs": [1, {"y": 2}]})
+    got = T.decode_tag(wired)
+    assert torch.equal(got["t"], torch.arange(3)) and got["xs"] == [1, {"y": 2}]

@@ -150,3 +150,39 @@ def test_int64_columns_round_trip_and_refuse_a_torn_column():
     assert unpack_int64([3, 4]) == [3, 4]  # a plain list passes through
     with pytest.raises(ValueError, match="int64 column of 9 bytes"):
         unpack_int64(b"\x00" * 9)
+
+
+def test_keys_given_equal_tags_share_one_tag_dict():
+    meta = Metadata()
+    keys = [f"k{i}" for i in range(4)]
+    # separate but equal dicts, as msgpack decodes a batch's tags
+    _put(meta, "p", keys, ["a"], tags=[{"step": 1, "ok": True} for _ in keys])
+    part = meta.partitions["p"]
+    assert len({id(part.tags[k]) for k in keys}) == 1
+    assert part.tags["k0"] == {"step": 1, "ok": True}
+    # a merge into one key makes a new dict: the others keep theirs
+    _put(meta, "p", ["k0"], ["a"], tags=[{"ok": False}])
+    assert part.tags["k0"] == {"step": 1, "ok": False}
+    assert part.tags["k1"] == {"step": 1, "ok": True}
+    # keys without a tag share the one empty tag
+    _put(meta, "p", ["x", "y"], ["a"])
+    assert part.tags["x"] == {} and part.tags["x"] is part.tags["y"]
+
+
+@pytest.mark.parametrize("first, second", [
+    (1, True), (1, 1.0), (0.0, -0.0), ("1", 1), (None, 0)])
+def test_tags_equal_only_across_value_types_are_not_shared(first, second):
+    meta = Metadata()
+    _put(meta, "p", ["a", "b"], ["f"], tags=[{"v": first}, {"v": second}])
+    part = meta.partitions["p"]
+    assert type(part.tags["a"]["v"]) is type(first) and part.tags["a"]["v"] == first
+    assert type(part.tags["b"]["v"]) is type(second)
+    assert str(part.tags["b"]["v"]) == str(second)  # -0.0 stays -0.0
+
+
+def test_tags_with_container_values_are_kept_per_key():
+    meta = Metadata()
+    _put(meta, "p", ["a", "b"], ["f"], tags=[{"v": [1, 2]}, {"v": [1, 2]}])
+    part = meta.partitions["p"]
+    assert part.tags["a"] == part.tags["b"] == {"v": [1, 2]}
+    assert part.tags["a"] is not part.tags["b"]

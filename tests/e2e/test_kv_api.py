@@ -255,6 +255,25 @@ def test_kv_list_all_and_one(pid):
     tq.kv_clear(["b"], pid + "x")
 
 
+def test_kv_list_gives_each_key_its_own_tag_when_keys_share_equal_tags(pid):
+    keys = ["a", "b", "c", "d"]
+    tq.kv_batch_put(keys, pid, TensorDict({"x": torch.ones(4)}, batch_size=[4]),
+                    tags=[{"step": 1}, {"step": 1}, {"v": [1, {"w": 2}], "t": torch.arange(2)},
+                          {"v": [1, {"w": 2}], "t": torch.arange(2)}])
+    listed = tq.kv_list(pid)[pid]
+    assert list(listed) == keys
+    assert listed["a"] == listed["b"] == {"step": 1}
+    listed["a"]["step"] = 7
+    listed["c"]["v"][1]["w"] = 9
+    listed["c"]["t"] += 5
+    assert listed["b"] == {"step": 1}
+    assert listed["d"]["v"] == [1, {"w": 2}] and torch.equal(listed["d"]["t"], torch.arange(2))
+    # the listing also works as the plain mapping, without the columnar flag
+    raw = tq.get_client().controller.call("LIST", {"partition_id": pid})
+    assert list(raw[pid]) == keys and raw[pid]["a"] == {"step": 1}
+    tq.kv_clear(keys, pid)
+
+
 def test_kv_clear_idempotent(pid):
     tq.kv_batch_put(["a", "b", "c"], pid, TensorDict({"x": torch.ones(3)}, batch_size=[3]))
     tq.kv_clear(["a", "nope"], pid)

@@ -102,3 +102,19 @@ def test_answered_requests_are_kept_newest_first_out(journals, monkeypatch):
     finally:
         off.close()
     assert mj.load()["answered"] == []
+
+
+def test_replayed_rows_with_equal_tags_share_one_dict(journals):
+    from tqtx.controller.metadata import Metadata
+    _cj, mj = journals
+    shared = {"step": 3}
+    rows = [("p", f"k{i}", i, frozenset({"x"}), shared if i < 4 else {"step": i}, None,
+             (7 << 40) + i) for i in range(6)]
+    rows.append(("p", "k6", 6, frozenset({"x"}), {"step": 3}, None, (7 << 40) + 6))
+    mj.write(MetaChange(rows=rows, next_index=7))
+    meta = Metadata(8)
+    meta.replace(mj.load())
+    tags = meta.partitions["p"].tags
+    assert [tags[f"k{i}"] for i in range(7)] == \
+        [{"step": 3}] * 4 + [{"step": 4}, {"step": 5}, {"step": 3}]
+    assert len({id(tags[f"k{i}"]) for i in (0, 1, 2, 3, 6)}) == 1

@@ -12,6 +12,7 @@ from ..errors import ControllerRecoveringError, PeerDiedError, PeerTimeoutError,
 from ..wire import shm
 from ..wire.peer import CONNECT_TIMEOUT, Peer, call_many
 from ..wire.rpc import DEFAULT_TIMEOUT, new_id
+from ..wire.columns import unpack_int64
 from ..wire.columns import unpack_column  # noqa: F401  (re-exported)
 from .get_path import Column  # noqa: F401  (re-exported)
 from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
@@ -331,8 +332,25 @@ class Client:
                     self._inbox = None
             return self._inbox
 
-    def list_keys(self, pid=None) -> dict:
-        return self.call_controller("LIST", {"partition_id": pid}, what="listing keys")
+    def list_keys(self, pid=None, *, decode: bool = False) -> dict:
+        """``{partition: {key: tag}}``, each key's tag its own dict; with ``decode``, as
+        :func:`tqtx.client.tensors.decode_tag` gives it (tensors decoded; nested values
+        copied), else as received (nested values of equal tags may be shared). Asked
+        columnar: each distinct tag travels and is examined once (a controller that does
+        not know the flag answers with the plain mapping)."""
+        from .tensors import decode_object, decode_tag
+        res = self.call_controller("LIST", {"partition_id": pid, "columnar": True},
+                                   what="listing keys")
+        if res.get("columnar") is not True:
+            return {part: {k: decode_tag(t) for k, t in keys.items()}
+                    for part, keys in res.items()} if decode else res
+        out = {}
+        for part, cols in res["partitions"].items():
+            tags = cols["tags"]
+            copy = [decode_object if decode and decode_tag(t) is not t else dict for t in tags]
+            out[part] = dict(zip(cols["keys"], [copy[i](tags[i])
+                                                for i in unpack_int64(cols["tag_of"])]))
+        return out
 
     def clear(self, keys: list[str], pid: str) -> int:
         res = self.call_controller(

@@ -112,6 +112,21 @@ def decode_object(value):
     return value
 
 
+_NEEDS_DECODING = (RawTensor, list, dict)
+
+
+def decode_tag(tag: dict) -> dict:
+    """:func:`decode_object` of a tag decoded from a message (so the caller's own): the
+    dict itself when no value needs decoding (no tensor, list or dict), which a listing
+    of a million keys' tags mostly holds."""
+    if type(tag) is not dict:
+        return decode_object(tag)
+    for v in tag.values():
+        if isinstance(v, _NEEDS_DECODING):
+            return decode_object(tag)
+    return tag
+
+
 # A row of a non-tensor field never is a bare RawTensor (a unit or a dump record would take
 # it for a tensor field), so a tensor that is a whole row travels as {_TENSOR: tensor}; a
 # user's dict that looks like one of these wrappers travels inside {_ESCAPED: dict}.

@@ -27,6 +27,7 @@ from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
 from .metadata import EMPTY, GEN_SHIFT, Metadata
+from .tags import NO_TAG
 from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")
@@ -35,6 +36,17 @@ log = logging.getLogger("tqtx.controller")
 META_OPS = ("commit_put", "clear", "checkpoint_replace", "restore_publish", "unit_lost",
             "end_buffer")
 META_STAGES = ("before_commit", "after_commit", "before_reply")
+
+
+def _tag_columns(keys: list[str], key_tags) -> dict:
+    """``{"keys", "tags", "tag_of"}`` of LIST's columnar reply, numbering the tag objects by
+    identity in C-level passes (they are alive in the metadata, so their ids are theirs)."""
+    objs = list(key_tags)
+    ids = list(map(id, objs))
+    distinct = dict(zip(ids, objs))  # first-seen order
+    number = {i: n for n, i in enumerate(distinct)}
+    return {"keys": keys, "tags": list(distinct.values()),
+            "tag_of": pack_int64(map(number.__getitem__, ids))}
 
 
 class HeldTags:
@@ -223,21 +235,27 @@ class KVRequests:
 
     def list_keys(self, body, req):
         """Visible keys with their tags, per partition; keys whose rows were lost are left
-        out (``lost``: only those, see :mod:`tqtx.controller.lost`)."""
+        out (``lost``: only those, see :mod:`tqtx.controller.lost`). With ``columnar``:
+        ``{"columnar": True, "partitions": {pid: {"keys", "tags", "tag_of"}}}``, each
+        distinct tag object once in ``tags`` and ``tag_of`` (packed int64) numbering the
+        keys' tags in it (keys given equal tags share one object, Metadata)."""
         pid = body.get("partition_id")
         parts = self.meta.visible()
         if pid is not None:
             parts = [p for p in parts if p.pid == pid]
         if body.get("lost"):
             return lost_keys(parts)
+        columnar = bool(body.get("columnar"))
         out = {}
         for p in parts:
             lost, tags = p.lost, p.tags
-            keys = {k: tags.get(k, {}) for k, i in p.keys.items() if i not in lost} \
-                if lost else {k: tags.get(k, {}) for k in p.keys}
-            if keys:
-                out[p.pid] = keys
-        return out
+            keys = [k for k, i in p.keys.items() if i not in lost] if lost else list(p.keys)
+            if not keys:
+                continue
+            key_tags = map(tags.get, keys, repeat(NO_TAG))
+            out[p.pid] = _tag_columns(keys, key_tags) if columnar else \
+                dict(zip(keys, key_tags))
+        return {"columnar": True, "partitions": out} if columnar else out
 
     def clear(self, body, req):
         pid = body["partition_id"]

@@ -28,9 +28,9 @@ from ..errors import KeysNotFoundError, RowsLostError
 from ..journal.meta import MetaChange
 from ..routing import owner
 from ..schema import check_schema_compatible, merge_schema
+from .tags import NO_TAG, merge_tag
 
 EMPTY: frozenset = frozenset()
-
 # Generations are ``incarnation << GEN_SHIFT | counter``: 2**40 keys per controller
 # incarnation, 2**23 incarnations of a state dir in an int64.
 GEN_SHIFT = 40
@@ -252,6 +252,7 @@ class Metadata:
         updates: dict[str, list] = {}  # key -> [idx, fields, tag, was pending]
         written = frozenset(fields)
         merged: dict[int, frozenset] = {}  # id(old field set) -> it | written, shared
+        tag_memo: dict = {}  # keys given equal tags share the merged dict
         gens = self.gens
         for i, key in enumerate(keys):
             upd = updates.get(key)
@@ -269,8 +270,8 @@ class Metadata:
                     new = merged[id(base)] = self.share(base | written)
                 upd = updates[key] = [idx, new, part.tags.get(key), pending]
             if tags is not None and tags[i]:
-                upd[2] = {**(upd[2] or {}), **tags[i]}
-        change.rows = [(pid, k, u[0], u[1], u[2] or {}, None, gens[u[0]])
+                upd[2] = merge_tag(upd[2], tags[i], tag_memo)
+        change.rows = [(pid, k, u[0], u[1], u[2] or NO_TAG, None, gens[u[0]])
                        for k, u in updates.items()]
         change.schemas = [(pid, f, part.schema[f]) for f in dict.fromkeys(fields)
                           if f in part.schema]
@@ -284,7 +285,7 @@ class Metadata:
                 part.pending.pop(key, None)
                 part.keys[key] = idx
             part.fields[idx] = fields
-            part.tags[key] = tag or {}
+            part.tags[key] = tag or NO_TAG
             part.lost.pop(idx, None)
 
     # ---------------------------------------------------------------- clear
@@ -318,14 +319,14 @@ class Metadata:
             schema[field] = merge_schema(schema.get(field), s)
         change = MetaChange(next_index=self.next_index,
                             schemas=[(pid, f, schema[f]) for f in field_schema])
+        tag_memo: dict = {}
         for r in rows:
             key, idx, fields, tag, is_new, gen = r.key, r.index, r.fields, r.tag, r.is_new, r.gen
             if is_new or part is None or key not in part.keys or idx in part.lost:
-                new_fields, new_tag = self.share(fields), dict(tag or {})
+                new_fields, new_tag = self.share(fields), merge_tag(None, tag, tag_memo)
             else:
                 new_fields = self.share(part.fields.get(idx, EMPTY).union(fields))
-                new_tag = {**part.tags.get(key, {}), **(tag or {})} if tag else \
-                    part.tags.get(key, {})
+                new_tag = merge_tag(part.tags.get(key, NO_TAG), tag, tag_memo)
             change.rows.append((pid, key, idx, new_fields, new_tag, None, gen))
         return change, schema
 
@@ -421,24 +422,32 @@ class Metadata:
         unversioned = []
         used = []
         shared: dict[tuple, frozenset] = {}
+        last_fields, fs = None, EMPTY  # rows of one put come in a row, sharing their field list
         for pid, data in snap["partitions"].items():
             part = self.partition(pid, create=True)
             part.schema = dict(data["schema"])
+            keys, fields_of, tags, lost_of = part.keys, part.fields, part.tags, part.lost
             for row in data["rows"]:
-                key, idx, fields, tag = row[:4]
-                part.keys[key] = idx
-                names = tuple(fields)
-                fs = shared.get(names)
-                if fs is None:
-                    fs = shared[names] = self.share(names)
-                part.fields[idx] = fs
-                part.tags[key] = tag if tag is not None else {}
-                if len(row) > 4 and row[4] is not None:
-                    part.lost[idx] = row[4]
+                if len(row) == 6:
+                    key, idx, fields, tag, lost, gen = row
+                else:
+                    key, idx, fields, tag = row[:4]
+                    lost, gen = (row[4] if len(row) > 4 else None), None
+                keys[key] = idx
+                if fields is not last_fields:
+                    names = tuple(fields)
+                    fs = shared.get(names)
+                    if fs is None:
+                        fs = shared[names] = self.share(names)
+                    last_fields = fields
+                fields_of[idx] = fs
+                tags[key] = tag or NO_TAG
+                if lost is not None:
+                    lost_of[idx] = lost
                 if gen_base is not None:
                     gens[idx] = gen_base + idx
-                elif len(row) > 5 and row[5] is not None:
-                    gens[idx] = row[5]
+                elif gen is not None:
+                    gens[idx] = gen
                 else:
                     unversioned.append(idx)
                 used.append(idx)
