@@ -60,6 +60,8 @@ def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path,
     tq.kv_put("tag-only", PID + "-t", tag={"status": "running"})
     live = keys[:30] + ["late"]
     want = _read(live)
+    if durability == "buffer":  # every put acknowledged more than the interval before
+        time.sleep(0.5)
     _kill_everything()
 
     tq_start(2, **cfg)
@@ -83,10 +85,11 @@ def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path,
 
 
 def test_a_unit_killed_alone_comes_back_with_its_rows(tq_start, tmp_path):
-    tq_start(2, durability="buffer", state_dir=str(tmp_path / "state"))
+    tq_start(2, durability="buffer", flush_interval_s=0.2, state_dir=str(tmp_path / "state"))
     keys = [f"k{i}" for i in range(20)]
     tq.kv_batch_put(keys, PID, _batch(keys, 0))
     want = _read(keys)
+    time.sleep(0.5)  # every put acknowledged more than the interval before the kill
     dep = api._deployment
     proc = dep.procs["unit 0"]
     proc.kill()
@@ -123,9 +126,10 @@ def test_the_controller_setting_keeps_no_rows_across_a_killed_job(tq_start, tmp_
 
 def test_a_logged_buffer_refuses_another_unit_count_and_says_how_to_move(tq_start, tmp_path):
     state = str(tmp_path / "state")
-    tq_start(2, durability="buffer", state_dir=state)
+    tq_start(2, durability="buffer", flush_interval_s=0.2, state_dir=state)
     tq.kv_batch_put(["a", "b", "c"], PID, _batch(["a", "b", "c"], 0))
     want = _read(["a", "b", "c"])
+    time.sleep(0.5)  # acknowledged more than the interval before the kill
     _kill_everything()
     with pytest.raises(TqtxError, match="kept by 2 units in their row logs.*num_units=2"):
         tq_start(3, durability="buffer", state_dir=state)

@@ -224,8 +224,6 @@ class RowLog:
         return self
 
     def _writer(self) -> None:
-        if not self.sync:
-            _lower_priority()
         last_sync = time.monotonic()
         while True:
             with self._cond:
@@ -419,13 +417,3 @@ class RowLog:
                 os.close(fd)
         self._sealed, self._fd = [], -1
         self.files.release(remove=remove)
-
-
-def _lower_priority() -> None:
-    """Run this thread at a lower CPU priority (Linux: a nice value per thread). With
-    ``buffer`` a write only has to land within the interval, so the requests the unit (and
-    the other processes of the host) serve go first."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
