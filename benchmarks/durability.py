@@ -132,8 +132,10 @@ class Bench:
             sample = sorted(listed)[:: max(1, len(listed) // 100)]
             got = tq.kv_batch_get(sample, "replay")
             out["get_s"] = time.perf_counter() - t0
-            if tuple(got["x"].shape) != (len(sample), 4):
-                raise AssertionError(f"kv_batch_get after restart: shape {got['x'].shape}")
+            rows = got["x"].unbind(0)  # dense or jagged (TransferQueue's result layout)
+            if len(rows) != len(sample) or any(tuple(r.shape) != (4,) for r in rows):
+                raise AssertionError(f"kv_batch_get after restart: {len(rows)} rows of "
+                                     f"shapes {sorted({tuple(r.shape) for r in rows})}")
         out["replay_logged"] = _replay_logged(self.state)
         return out
 

@@ -238,8 +238,7 @@ def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
     durable = _state(unit)
     _put(unit, [[i, {"a": _tensor(100 + i)}] for i in range(3, 9)], [1] * 6)  # not fsynced
     _drop(unit, [0], [1])
-    assert _state(unit) != durable
-    _settle(unit, lambda: not unit.rowlog._queue)  # written, not fsynced
+    assert _state(unit) != durable  # queued or written since the fsync, not fsynced
     # the power goes: the process never closes its log
     unit.server.stop()
     unit.pool.shutdown(wait=True)

@@ -11,9 +11,10 @@ controller reconciles by it and drops rows no committed put accounts for.
 
 The request loop only queues what a request changed (rows are never changed in place once
 stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
-order: every ``flush_interval_s`` (``buffer``), or as soon as a request waits for it
-(``sync``: the reply of a request that stored rows is sent after the fsync that covers
-them; requests queued meanwhile share it). When the files hold more than 1.25x the live
+order. With ``buffer`` it writes every half ``flush_interval_s`` and fsyncs every
+interval; with ``sync`` it runs as soon as a request waits for it (the reply of a request
+that stored rows is sent after the fsync that covers them; requests queued meanwhile share
+it). When the files hold more than 1.25x the live
 bytes (and 16 MiB more), the loop snapshots the rows (two dict copies) where the queue
 stands, the writer opens a new segment there, and a compaction thread writes the snapshot
 as that segment's base, fsyncs and renames it, then removes the files it replaces. A
@@ -39,6 +40,7 @@ log = logging.getLogger("tqtx.unit")
 # a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack
 SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(64 << 20)))
 COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
+WAKE_AT = 64  # requests' batches queued that wake the writer before its half interval
 
 
 class _Rotate:
@@ -148,7 +150,8 @@ class RowLog:
         if batch:
             with self._cond:
                 self._queue.append(batch)
-                self._cond.notify()
+                if self.sync or len(self._queue) >= WAKE_AT:
+                    self._cond.notify()
 
     def refuse_if_failing(self) -> None:
         """OSError while the log cannot be written (a full disk): a put is refused before
@@ -224,11 +227,16 @@ class RowLog:
         return self
 
     def _writer(self) -> None:
+        # With buffer the writer is not woken per request (a thread switch on every put):
+        # it writes every half interval, or when WAKE_AT batches wait, a marker or a waiter
+        # comes; so what a put queued is written within the interval. With sync every
+        # request that stored rows waits, and wakes it.
+        step = self.interval if self.sync else self.interval / 2
         last_sync = time.monotonic()
         while True:
             with self._cond:
-                if not self._queue and not self._stopped:
-                    self._cond.wait(max(0.0, last_sync + self.interval - time.monotonic()))
+                if not self._stopped and not (self.sync and self._queue):
+                    self._cond.wait(step)
                 items, self._queue = self._queue, []
                 stopping = self._stopped
             waiters = self._write_items(items)
