@@ -252,17 +252,9 @@ def load(client, ckpt_dir: str) -> dict:
                 per_unit[entry["unit"]] = _log_load(ckpt_dir, mpath, entry,
                                                     keep[entry["unit"]])
                 continue
-            rel = entry["file"]
-            if os.path.isabs(rel) or ".." in rel.split("/"):
-                raise DumpFormatError(f"{mpath}: unit file {rel!r} escapes the checkpoint")
+            path = _unit_member(ckpt_dir, mpath, entry["file"], entry["size"], "unit file")
             entries = unpackb(_read_checked(os.path.join(ckpt_dir, entry["index"]["file"]),
                                             entry["index"]))
-            path = os.path.join(ckpt_dir, rel)
-            if not os.path.isfile(path):
-                raise DumpNotFoundError(f"{path}: unit file missing", path)
-            if os.path.getsize(path) != entry["size"]:
-                raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
-                                      f"{MANIFEST} ({entry['size']})")
             _verify_records(path, entries, idents)
             per_unit[entry["unit"]] = {"path": path, "entries": entries}
         # The controller refuses while a restore is unresolved, before any unit is touched.
@@ -304,19 +296,23 @@ def _log_load(ckpt_dir: str, mpath: str, entry: dict, keep: dict) -> dict:
     keep, every row of the metadata that unit holds (the unit checks each entry's CRC and
     each kept row's generation as it replays)."""
     log_dir = entry["log"]["dir"]
-    files = []
-    for f in entry["log"]["files"]:
-        rel = f"{log_dir}/{f['file']}"
-        if os.path.isabs(rel) or ".." in rel.split("/"):
-            raise DumpFormatError(f"{mpath}: unit file {rel!r} escapes the checkpoint")
-        path = os.path.join(ckpt_dir, rel)
-        if not os.path.isfile(path):
-            raise DumpNotFoundError(f"{path}: unit row log file missing", path)
-        if os.path.getsize(path) != f["size"]:
-            raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
-                                  f"{MANIFEST} ({f['size']})")
-        files.append(path)
+    files = [_unit_member(ckpt_dir, mpath, f"{log_dir}/{f['file']}", f["size"],
+                          "unit row log file") for f in entry["log"]["files"]]
     return {"log_files": files, "keep_indexes": keep["indexes"], "keep_gens": keep["gens"]}
+
+
+def _unit_member(ckpt_dir: str, mpath: str, rel: str, size: int, what: str) -> str:
+    """The path of a unit's file ``rel`` in the checkpoint: inside it, present, of the
+    ``size`` the manifest names (DumpFormatError / DumpNotFoundError naming it)."""
+    if os.path.isabs(rel) or ".." in rel.split("/"):
+        raise DumpFormatError(f"{mpath}: unit file {rel!r} escapes the checkpoint")
+    path = os.path.join(ckpt_dir, rel)
+    if not os.path.isfile(path):
+        raise DumpNotFoundError(f"{path}: {what} missing", path)
+    if os.path.getsize(path) != size:
+        raise DumpFormatError(f"{path}: size {os.path.getsize(path)} does not match "
+                              f"{MANIFEST} ({size})")
+    return path
 
 
 def _read_metadata(ckpt_dir: str) -> dict:

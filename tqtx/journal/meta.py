@@ -13,6 +13,7 @@ schema (migrations ``c0003``, ``c0004``) and the ORM models describe it.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -242,17 +243,8 @@ class MetaJournal:
         with journal_writes(self.path):
             db.execute("PRAGMA synchronous=FULL")
             try:
-                db.execute("BEGIN IMMEDIATE")
-                try:
+                with self._transaction():
                     db.execute(_SET_MARKER, (DURABLE_CUT, f"{n} {time.time():.6f}"))
-                    db.execute("COMMIT")
-                except BaseException:
-                    if db.in_transaction:
-                        try:
-                            db.execute("ROLLBACK")
-                        except sqlite3.Error:
-                            pass  # the error that got us here is the one to report
-                    raise
             finally:
                 db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[self.durability]}")
         self.cuts = n
@@ -265,21 +257,28 @@ class MetaJournal:
         (SQLite may have done so itself), so the next write starts clean once the cause
         is gone."""
         db = self._db
-        with journal_writes(self.path):
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                apply_change(db.executemany, change)
-                if change.answered is not None:
-                    self._write_answer(change.answered)
-                db.execute("COMMIT")
-            except BaseException:
-                if db.in_transaction:
-                    try:
-                        db.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass  # the error that got us here is the one to report
-                raise
+        with journal_writes(self.path), self._transaction():
+            apply_change(db.executemany, change)
+            if change.answered is not None:
+                self._write_answer(change.answered)
         self.transactions += 1
+
+    @contextmanager
+    def _transaction(self):
+        """BEGIN IMMEDIATE ... COMMIT; on any error a ROLLBACK (if SQLite did not roll
+        back itself), and the error raised."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # the error that got us here is the one to report
+            raise
 
     def _write_answer(self, answered: tuple[str, bytes]) -> None:
         """Record a request's reply (inside the change's transaction); every
