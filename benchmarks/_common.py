@@ -9,6 +9,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -185,3 +186,16 @@ class JsonWorker:
         except (BrokenPipeError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+
+
+_REPLAYED = re.compile(r"replayed (\d+) keys .* in ([0-9.]+)s")
+
+
+def replay_logged(state_dir: str):
+    """(keys, seconds) of the last replay line in the controller's log, or None."""
+    try:
+        with open(os.path.join(state_dir, "logs", "controller.log"), errors="replace") as f:
+            hits = _REPLAYED.findall(f.read())
+    except OSError:
+        return None
+    return (int(hits[-1][0]), float(hits[-1][1])) if hits else None

@@ -29,20 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import JsonWorker, MiB, error_reply, fs_type, median, serve  # noqa: E402
+from _common import (  # noqa: E402
+    JsonWorker, MiB, error_reply, fs_type, median, replay_logged, serve)
 
 SETTINGS = ("sync", "buffer", "controller", "memory")
 BASE = "memory"  # the ratios' denominator
 DURABLE = ("sync", "buffer", "controller")
 FILL_BATCH = 10_000
-_REPLAYED = re.compile(r"replayed (\d+) keys .* in ([0-9.]+)s")
 
 
 # ---------------------------------------------------------------- worker (one deployment)
@@ -52,16 +51,6 @@ def _journal_bytes(state_dir: str) -> dict:
         p = os.path.join(state_dir, "journal.sqlite" + suffix)
         out["db" + suffix] = os.path.getsize(p) if os.path.exists(p) else 0
     return out
-
-
-def _replay_logged(state_dir: str):
-    """(keys, seconds) of the last replay line in the controller log, or None."""
-    try:
-        with open(os.path.join(state_dir, "logs", "controller.log"), errors="replace") as f:
-            hits = _REPLAYED.findall(f.read())
-    except OSError:
-        return None
-    return (int(hits[-1][0]), float(hits[-1][1])) if hits else None
 
 
 class Bench:
@@ -136,7 +125,7 @@ class Bench:
             if len(rows) != len(sample) or any(tuple(r.shape) != (4,) for r in rows):
                 raise AssertionError(f"kv_batch_get after restart: {len(rows)} rows of "
                                      f"shapes {sorted({tuple(r.shape) for r in rows})}")
-        out["replay_logged"] = _replay_logged(self.state)
+        out["replay_logged"] = replay_logged(self.state)
         return out
 
     def close(self):

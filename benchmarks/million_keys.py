@@ -32,17 +32,15 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MiB, fs_type, proc_status  # noqa: E402
+from _common import MiB, fs_type, proc_status, replay_logged  # noqa: E402
 
 BATCH = 10_000
-_REPLAYED = re.compile(r"replayed (\d+) keys .* in ([0-9.]+)s")
 OPS = ("put", "put per key", "put CPU per key: client", "put CPU per key: controller",
        "put CPU per key: units", "kv_batch_get 1k", "kv_list", "kv_clear 100k", "re-put 100k",
        "dump 1k", "dump 100k", "load 100k", "restart: ready", "restart -> kv_list", "replay",
@@ -51,15 +49,6 @@ OPS = ("put", "put per key", "put CPU per key: client", "put CPU per key: contro
 
 def _key(i: int) -> str:
     return f"k{i:07d}"
-
-
-def _replay_logged(state_dir: str):
-    try:
-        with open(os.path.join(state_dir, "logs", "controller.log"), errors="replace") as f:
-            hits = _REPLAYED.findall(f.read())
-    except OSError:
-        return None
-    return (int(hits[-1][0]), float(hits[-1][1])) if hits else None
 
 
 def _cpu_s(pid) -> float:
@@ -130,7 +119,7 @@ def run_size(n: int, a) -> dict:
         out["restart -> kv_list"] = time.perf_counter() - t0
         assert len(listed.get(pid, {})) == n, len(listed.get(pid, {}))
         del listed
-        logged = _replay_logged(state)
+        logged = replay_logged(state)
         out["replay"] = logged[1] if logged else float("nan")
         ctl = tqtx.api._deployment.pids["controller"]
         out["RSS per key after replay"] = (proc_status(ctl)["VmRSS"] - rss0) / n
