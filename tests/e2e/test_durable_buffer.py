@@ -240,7 +240,7 @@ def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(
     acknowledged that long before stays cleared."""
     import random
     import threading
-    interval = 0.5
+    interval = 1.0  # the writer writes every half interval: half an interval of margin
     cfg = {"durability": "buffer", "flush_interval_s": interval,
            "state_dir": str(tmp_path / "state")}
     rng = random.Random()
@@ -254,7 +254,7 @@ def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(
                    for w in range(8)]
         for t in writers:
             t.start()
-        time.sleep(rng.uniform(1.0, 3.0))  # the kill comes at a random moment
+        time.sleep(rng.uniform(1.5, 3.5))  # the kill comes at a random moment
         killed_at = time.monotonic()
         _kill_everything()
         stop.set()
