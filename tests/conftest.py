@@ -13,11 +13,14 @@ os.environ.setdefault("TQTX_LOG_LEVEL", "WARNING")
 
 # No test may use the user's default state dir (~/.local/state/tqtx/default): every bare
 # tq.init() of this run, in this process and in the processes it starts, shares one
-# temporary state dir instead, removed at the end of the session.
+# temporary state dir instead, removed at the end of the session. Each xdist worker makes
+# its own (it inherits the dir the main process made, marked by _TQTX_TEST_STATE_DIR):
+# two workers' bare inits on one state dir would refuse each other.
 _OWN_STATE_DIR = None
-if not os.environ.get("TQTX_STATE_DIR"):
+if not os.environ.get("TQTX_STATE_DIR") or \
+        os.environ.get("_TQTX_TEST_STATE_DIR") == os.environ["TQTX_STATE_DIR"]:
     _OWN_STATE_DIR = tempfile.mkdtemp(prefix="tqtx-test-state-")
-    os.environ["TQTX_STATE_DIR"] = _OWN_STATE_DIR
+    os.environ["TQTX_STATE_DIR"] = os.environ["_TQTX_TEST_STATE_DIR"] = _OWN_STATE_DIR
 
 
 def pytest_sessionfinish(session, exitstatus):

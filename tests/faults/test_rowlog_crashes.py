@@ -24,7 +24,8 @@ from tqtx import api
 pytestmark = pytest.mark.timeout(300)
 
 PID = "p"
-ROUNDS = 12
+ROUNDS = 12       # rounds at full speed; then paced, until the fault fired
+MAX_ROUNDS = 60
 FAST = {("unit.rowlog.after_append", "kill"), ("unit.rowlog.compact.after_rename", "kill")}
 # the hit of the point that fires: late enough for puts to be acknowledged before it
 NTH = {"unit.rowlog.before_append": 3, "unit.rowlog.after_append": 3,
@@ -72,11 +73,20 @@ def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
              **where)
     faulty = api._deployment.procs["controller" if point.startswith("controller.")
                                    else "unit 0"]
+    name = "controller" if point.startswith("controller.") else "unit-0"
+
+    def fired() -> bool:
+        if action == "kill":
+            return faulty.poll() is not None
+        return bool(failures) or "InjectedFault" in _log(state, name)
+
     acked: dict[str, list] = {}      # key -> its value, put and not cleared, both acknowledged
     in_flight: dict[str, list] = {}  # keys of a failed operation: their value or absent
     failures = 0
     prev: list[str] = []
-    for rnd in range(ROUNDS):
+    # rounds of puts and clears until the fault fired (the controller's cut comes once an
+    # interval, so rounds are paced there), at most MAX_ROUNDS
+    for rnd in range(MAX_ROUNDS):
         keys = [f"r{rnd}k{i}" for i in range(8)]
         td = _rows(keys, rnd)
         values = {k: td["x"][i].tolist() for i, k in enumerate(keys)}
@@ -97,14 +107,15 @@ def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
                 in_flight.update({k: acked.pop(k) for k in prev})
                 break
         prev = keys[2:]
-        if faulty.poll() is not None:
+        if fired():
             break
+        if name == "controller" or rnd >= ROUNDS:
+            time.sleep(0.1)
     time.sleep(0.6)  # a background compaction or cut reaches its point; the writers catch up
-    name = "controller" if point.startswith("controller.") else "unit-0"
     if action == "kill":
         assert faulty.poll() is not None, f"{name} did not die at {point}"
     else:
-        assert failures or "InjectedFault" in _log(state, name), f"{point} did not fire"
+        assert fired(), f"{point} did not fire"
     assert acked, "no put was acknowledged before the fault"
     _kill_everything()
 

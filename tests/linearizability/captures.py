@@ -72,6 +72,25 @@ def _record_value(space: KeySpace, row: dict) -> str:
     return row_value(space, _ints(row["ids"]), _ints(row["pad"]))
 
 
+def _log_rows(ckpt_dir: str, log: dict, gens: dict) -> dict:
+    """The rows a checkpoint's row log files hold (replayed as a unit would); their
+    generations go into ``gens``."""
+    from tqtx.storage.logdir import replay_files
+    from tqtx.storage.rows import drop_from, store_into
+    rows: dict = {}
+    mine: dict = {}
+
+    def reset():
+        rows.clear()
+        mine.clear()
+
+    replay_files([os.path.join(ckpt_dir, log["dir"], f["file"]) for f in log["files"]],
+                 lambda i, g, v: store_into(rows, mine, i, g, v),
+                 lambda i, g: drop_from(rows, mine, i, g), reset, strict=True)
+    gens.update(mine)
+    return rows
+
+
 def _records(path, entries) -> dict:
     from tqtx import format as fmt
     out = {}
@@ -105,8 +124,11 @@ def checkpoint_capture(space: KeySpace, ckpt_dir: str) -> dict:
         manifest = json.load(f)
     with open(os.path.join(ckpt_dir, manifest["controller"]["file"]), "rb") as f:
         meta = unpackb(f.read())
-    rows = {}
+    rows, gens = {}, {}
     for unit in manifest["units"]:
+        if "log" in unit:  # format version 3: the unit's row log files
+            rows.update(_log_rows(ckpt_dir, unit["log"], gens))
+            continue
         with open(os.path.join(ckpt_dir, unit["index"]["file"]), "rb") as f:
             entries = unpackb(f.read())
         rows.update(_records(os.path.join(ckpt_dir, unit["file"]), entries))
@@ -118,8 +140,10 @@ def checkpoint_capture(space: KeySpace, ckpt_dir: str) -> dict:
             k = (pid, key)
             if len(row) > 4 and row[4] is not None:
                 values[k] = LOST
+            elif gidx not in rows or (gidx in gens and len(row) > 5 and gens[gidx] != row[5]):
+                values[k] = NOROW
             else:
-                values[k] = NOROW if gidx not in rows else _record_value(space, rows[gidx])
+                values[k] = _record_value(space, rows[gidx])
             tags[k] = tag_value(tag)
     return {"values": values, "tags": tags}
 
