@@ -75,18 +75,9 @@ def _record_value(space: KeySpace, row: dict) -> str:
 def _log_rows(ckpt_dir: str, log: dict, gens: dict) -> dict:
     """The rows a checkpoint's row log files hold (replayed as a unit would); their
     generations go into ``gens``."""
-    from tqtx.storage.logdir import replay_files
-    from tqtx.storage.rows import drop_from, store_into
-    rows: dict = {}
-    mine: dict = {}
-
-    def reset():
-        rows.clear()
-        mine.clear()
-
-    replay_files([os.path.join(ckpt_dir, log["dir"], f["file"]) for f in log["files"]],
-                 lambda i, g, v: store_into(rows, mine, i, g, v),
-                 lambda i, g: drop_from(rows, mine, i, g), reset, strict=True)
+    from tqtx.storage.logdir import read_rows
+    rows, mine = read_rows([os.path.join(ckpt_dir, log["dir"], f["file"])
+                            for f in log["files"]])
     gens.update(mine)
     return rows
 

@@ -308,12 +308,8 @@ def test_a_checkpoint_links_the_files_before_its_cut_and_leaves_a_base_being_wri
     files = unit.rowlog.link(cut, str(tmp_path / "ckpt"))
     assert being_written.exists()
     assert [f["file"] for f in files] == ["seg-00000001.log"]
-    rows, gens = {}, {}
-    from tqtx.storage.logdir import replay_files
-    from tqtx.storage.rows import drop_from, store_into
-    replay_files([str(tmp_path / "ckpt" / f["file"]) for f in files],
-                 lambda i, g, v: store_into(rows, gens, i, g, v),
-                 lambda i, g: drop_from(rows, gens, i, g), rows.clear, strict=True)
+    from tqtx.storage.logdir import read_rows
+    rows, gens = read_rows([str(tmp_path / "ckpt" / f["file"]) for f in files])
     got = {i: (gens[i], {f: (v.dtype, tuple(v.shape), bytes(v.data)) for f, v in r.items()})
            for i, r in rows.items()}
     assert got == want

@@ -34,8 +34,7 @@ from .. import states as st
 from ..errors import CheckpointBusyError, DumpFormatError
 from ..wire.columns import unpack_int64
 from ..wire.values import row_nbytes
-from .logdir import replay_files
-from .rows import drop_from, store_into
+from .logdir import read_rows
 
 # Staged loads kept at once: concurrent load_checkpoint calls each stage their own (the
 # controller then switches the units to one after the other). Each holds a copy of the
@@ -280,15 +279,7 @@ def _read(request: LoadRequest, load: StagedLoad) -> None:
 
 def _read_log(request: LoadRequest, load: StagedLoad) -> None:
     """Replay a checkpoint's row log files and stage the rows it keeps."""
-    rows: dict[int, dict] = {}
-    gens: dict[int, int] = {}
-
-    def reset():
-        rows.clear()
-        gens.clear()
-
-    replay_files(request.log_files, lambda i, g, v: store_into(rows, gens, i, g, v),
-                 lambda i, g: drop_from(rows, gens, i, g), reset, strict=True)
+    rows, gens = read_rows(request.log_files)
     where = os.path.dirname(request.log_files[0]) if request.log_files else "checkpoint"
     for idx, gen in zip(request.keep_indexes, request.keep_gens):
         if gens.get(idx) != gen:

@@ -20,6 +20,7 @@ from ..errors import DumpFormatError
 from ..format import rowlog as fl
 from ..format.records import RecordEncoder
 from ..wire.values import RawTensor
+from .rows import drop_from, store_into
 
 log = logging.getLogger("tqtx.unit")
 
@@ -171,6 +172,22 @@ def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False) 
                         "(a write the process did not finish); the entries before are "
                         "replayed", path, size - good, good)
     return stats
+
+
+def read_rows(paths: list[str]) -> tuple[dict[int, dict], dict[int, int]]:
+    """The rows (and their generations) that a complete set of log files holds, replayed
+    as a unit would (a checkpoint's files: every entry must be whole, see
+    :func:`replay_files`)."""
+    rows: dict[int, dict] = {}
+    gens: dict[int, int] = {}
+
+    def reset():
+        rows.clear()
+        gens.clear()
+
+    replay_files(paths, lambda i, g, v: store_into(rows, gens, i, g, v),
+                 lambda i, g: drop_from(rows, gens, i, g), reset, strict=True)
+    return rows, gens
 
 
 def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:

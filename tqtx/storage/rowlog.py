@@ -52,25 +52,36 @@ class _Rotate:
         self.rows, self.gens = rows, gens
 
 
-class _Cut:
-    """A queue marker: seal the open segment here and fsync; :meth:`wait` then gives the
-    number of the segment opened after it (every change queued before the cut is in the
-    files numbered below it)."""
+class _Waiter:
+    """Waits in the queue for the fsync that covers every change queued before it (a
+    deferred reply's stand-in for a caller that blocks)."""
 
     def __init__(self):
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.next_segment = 0
 
     def reply(self, result=None, error=None) -> None:
         self.error = error
         self.done.set()
 
-    def wait(self, timeout: float = 120.0) -> int:
+    def wait(self, timeout: float, what: str) -> None:
         if not self.done.wait(timeout):
-            raise TimeoutError(f"the row log did not reach a checkpoint's cut in {timeout}s")
+            raise TimeoutError(f"the row log did not reach {what} in {timeout}s")
         if self.error is not None:
             raise self.error
+
+
+class _Cut(_Waiter):
+    """A queue marker: seal the open segment here and fsync; :meth:`wait` then gives the
+    number of the segment opened after it (every change queued before the cut is in the
+    files numbered below it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.next_segment = 0
+
+    def wait(self, timeout: float = 120.0, what: str = "a checkpoint's cut") -> int:
+        super().wait(timeout, what)
         return self.next_segment
 
 
@@ -163,35 +174,28 @@ class RowLog:
 
     def when_durable(self, deferred, reply) -> None:
         """Send ``reply`` through ``deferred`` once every change queued so far is fsynced."""
-        with self._cond:
-            self._queue.append((deferred, reply))
-            self._cond.notify()
+        self._enqueue((deferred, reply))
 
     def flush(self, timeout: float = 60.0) -> None:
         """Block until every change made so far is written and fsynced."""
-        done, errors = threading.Event(), []
-
-        class _Wait:
-            def reply(self, result=None, error=None):
-                errors.append(error)
-                done.set()
-
         self.write()
-        self.when_durable(_Wait(), None)
-        if not done.wait(timeout):
-            raise TimeoutError(f"row log {self.dir}: not flushed within {timeout}s")
-        if errors[0] is not None:
-            raise errors[0]
+        waiter = _Waiter()
+        self.when_durable(waiter, None)
+        waiter.wait(timeout, "a flush")
 
     def cut(self) -> _Cut:
         """Loop thread: mark where the queue stands for a checkpoint (see :class:`_Cut`
         and :meth:`link`)."""
         self.write()
         cut = _Cut()
-        with self._cond:
-            self._queue.append(cut)
-            self._cond.notify()
+        self._enqueue(cut)
         return cut
+
+    def _enqueue(self, item) -> None:
+        """Queue a waiter or a marker for the writer, and wake it."""
+        with self._cond:
+            self._queue.append(item)
+            self._cond.notify()
 
     def link(self, cut: _Cut, target: str) -> list[dict]:
         """Hard-link (copy across file systems) into ``target`` the files that hold every
@@ -213,9 +217,7 @@ class RowLog:
         """Loop thread: snapshot the rows where the queue stands; the writer opens a new
         segment there and a compaction thread writes the snapshot as its base."""
         rows, gens = self.snapshot()
-        with self._cond:
-            self._queue.append(_Rotate(rows, gens))
-            self._cond.notify()
+        self._enqueue(_Rotate(rows, gens))
 
     # ---------------------------------------------------------------- the writer thread
     def start(self, call_soon: Callable[[Callable[[], None]], None]) -> "RowLog":
@@ -416,8 +418,6 @@ class RowLog:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        else:
-            self._sync_and_reply(self._write_items(self._queue))
         if self._compactor is not None:  # its files are renamed or removed, not left half
             self._compactor.join(timeout=60)
         for fd in [*self._sealed, self._fd]:

@@ -30,7 +30,7 @@ from ..placement.probe import node_name, unit_probe
 from ..wire import shm
 from ..wire.peer import Peer
 from ..wire.rpc import Deferred, Server
-from ..wire.values import forget_shapes, row_nbytes
+from ..wire.values import forget_shapes
 from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
 from .dumps import UnitDumps
@@ -119,11 +119,10 @@ class StorageUnit:
         rowlog = RowLog(log_dir, sync=sync, interval=interval,
                         live_bytes=lambda: self.bytes_held,
                         snapshot=lambda: (dict(self.rows), dict(self.gens)))
-        self.replayed = rowlog.replay(self.store_row, self._drop_row, self._emptied)
+        self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows)
         self.replayed["dir"] = log_dir
         if not (self.replayed["entries"] or self.replayed["torn"]):
             self.replayed = None  # a new log: nothing to report
-        self.bytes_held = sum(map(row_nbytes, self.rows.values()))
         if self.replayed is not None:
             log.info("unit %d: replayed %d rows from its row log %s (%d entries, %d bytes, "
                      "%.3fs)", self.unit_id, len(self.rows), log_dir,
@@ -293,20 +292,20 @@ class StorageUnit:
         if len(want) != len(indexes):
             raise ValueError(f"DROP_ROWS: {len(want)} generations for {len(indexes)} indexes")
         rows, gens = self.rows, self.gens
-        freed = 0
-        gone, gone_gens = [], []
+        n = freed = 0
+        logged = [] if self.rowlog is not None else None  # (index, generation) dropped
         for idx, gen in zip(indexes, want):
-            n = drop_from(rows, gens, idx, gen)
-            if n is not None:
-                freed += n
-                gone.append(idx)
-                gone_gens.append(gen)
+            nbytes = drop_from(rows, gens, idx, gen)
+            if nbytes is not None:
+                freed += nbytes
+                n += 1
+                if logged is not None:
+                    logged.append((idx, gen))
         self.bytes_held -= freed
-        if gone and self.rowlog is not None:
-            self.rowlog.drop(gone, gone_gens)
-        if gone and not self.rows:
+        if logged:
+            self.rowlog.drop([i for i, _ in logged], [g for _, g in logged])
+        if n and not self.rows:
             self._emptied()
-        n = len(gone)
         return {"dropped": n}
 
     def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int) -> None:
@@ -321,7 +320,12 @@ class StorageUnit:
 
     def _drop_row(self, idx: int, gen: int) -> None:
         """Replay of a logged drop."""
-        drop_from(self.rows, self.gens, idx, gen)
+        self.bytes_held -= drop_from(self.rows, self.gens, idx, gen) or 0
+
+    def _reset_rows(self) -> None:
+        """Replay of a logged reset (a checkpoint's rows follow)."""
+        self._emptied()
+        self.bytes_held = 0
 
     def _emptied(self) -> None:
         """The last row went: let go of what only rows needed, so the memory pages it sits
