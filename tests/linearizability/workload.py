@@ -197,7 +197,7 @@ def kill_nemesis(seed: int, *, every: tuple[float, float] = (6.0, 12.0)):
     return nemesis
 
 
-def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (2.5, 4.0)):
+def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0)):
     """A nemesis that, until shortly before ``end``, kills (SIGKILL) every unit and the
     controller at random intervals and starts them all again on the same state dir (the
     controller on its port). Returns no loss op (durability ``sync``: every acknowledged
