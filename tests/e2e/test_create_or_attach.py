@@ -72,17 +72,20 @@ def test_processes_calling_init_at_once_create_exactly_one(tmp_path, n):
     ctx = job_context()
     sync = {"go": ctx.Event(), "put": ctx.Barrier(n), "exit": str(tmp_path / "exit"),
             "close": str(tmp_path / "close")}
-    results = ctx.Queue()
+    # one queue per process: a process killed while its queue's feeder thread still holds
+    # the queue's lock (just after its last message) would block every other writer of a
+    # shared queue for good
+    results = [ctx.Queue() for _ in range(n)]
     # half call a bare init() ($TQTX_STATE_DIR), half name the state dir
     job = [ctx.Process(target=race_member,
                        args=(i, n, None if i % 2 else {"state_dir": state},
-                             job_env({"TQTX_STATE_DIR": state}), sync, results))
+                             job_env({"TQTX_STATE_DIR": state}), sync, results[i]))
            for i in range(n)]
     try:
         for p in job:
             p.start()
         sync["go"].set()  # all at once
-        reads = sorted((_next(results, "read") for _ in job), key=lambda m: m[1])
+        reads = [_next(results[i], "read") for i in range(n)]
         cfgs = [m[3] for m in reads]
         modes = [c["mode"] for c in cfgs]
         assert modes.count("embedded") == 1 and modes.count("attached") == n - 1, modes
@@ -112,8 +115,9 @@ def test_processes_calling_init_at_once_create_exactly_one(tmp_path, n):
 
         # the creator still reads everything, then its close stops the deployment
         open(sync["close"], "w").close()
-        assert _next(results, "reread")[4] == expected
-        _next(results, "closed")
+        creator_results = results[reads[modes.index("embedded")][1]]
+        assert _next(creator_results, "reread")[4] == expected
+        _next(creator_results, "closed")
         assert wait_gone(deployment) == []
         assert owner.read_record(state) is None
     finally:

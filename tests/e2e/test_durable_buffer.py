@@ -13,7 +13,7 @@ from tensordict import TensorDict
 
 import tqtx as tq
 from tqtx import api
-from tqtx.errors import TqtxError
+from tqtx.errors import RowsLostError, TqtxError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,6 +82,33 @@ def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path,
     tq.kv_clear(["k0"], PID)
     assert "k0" not in tq.kv_list(PID)[PID] and _read(["new"]) == {
         "new": ([99, 100, 101, 102, 103], _batch(["new"], 99)["w"][0].tolist())}
+
+
+def test_the_rows_of_a_unit_whose_log_is_gone_are_named_lost(tq_start, tmp_path):
+    """A node that is gone (its unit's data directory with it): after the restart the other
+    unit's rows are back bit for bit, and every row of the gone one is named lost, never
+    silently missing."""
+    state = str(tmp_path / "state")
+    cfg = {"durability": "sync", "state_dir": state}
+    tq_start(2, **cfg)
+    keys = [f"k{i}" for i in range(40)]
+    tq.kv_batch_put(keys, PID, _batch(keys, 0))
+    want = _read(keys)
+    _kill_everything()
+    gone = os.path.join(state, "units", "unit-1")
+    os.rename(gone, gone + ".elsewhere")   # the node and its disk are gone
+
+    tq_start(2, **cfg)
+    _wait_ready()
+    lost = set(tq.list_lost_keys().get(PID, {}))
+    kept = [k for k in keys if k not in lost]
+    assert lost and kept, (lost, kept)
+    assert sorted(tq.kv_list()[PID]) == sorted(kept)       # lost ones are listed apart
+    assert _read(kept) == {k: want[k] for k in kept}
+    for key in sorted(lost)[:3]:
+        with pytest.raises(RowsLostError, match=key):
+            tq.kv_batch_get([key], PID)
+    assert tq.get_client().stats()["controller"]["lost_rows"] == len(lost)
 
 
 def test_a_unit_killed_alone_comes_back_with_its_rows(tq_start, tmp_path):

@@ -143,7 +143,8 @@ META = {f"controller.meta.{op}.{stage}":
 ACKED_KEPT = "acknowledged puts kept"
 ROWLOG_POINTS = ("unit.rowlog.before_append", "unit.rowlog.after_append",
                  "unit.rowlog.after_seal", "unit.rowlog.before_fsync",
-                 "unit.rowlog.compact.before_fsync", "unit.rowlog.compact.after_rename")
+                 "unit.rowlog.compact.before_relog", "unit.rowlog.compact.before_unlink",
+                 "unit.rowlog.compact.after_unlink")
 # The controller's durable cut (durability buffer): killed there or failing, it keeps what
 # it committed (the WAL is in the page cache; a failed cut is tried again).
 ROWLOG_POINTS += ("controller.meta.durable_cut.before_commit",)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 PID = "p"
 ROUNDS = 12       # rounds at full speed; then paced, until the fault fired
 MAX_ROUNDS = 60
-FAST = {("unit.rowlog.after_append", "kill"), ("unit.rowlog.compact.after_rename", "kill")}
+FAST = {("unit.rowlog.after_append", "kill"), ("unit.rowlog.compact.before_unlink", "kill")}
 # the hit of the point that fires: late enough for puts to be acknowledged before it
 NTH = {"unit.rowlog.before_append": 3, "unit.rowlog.after_append": 3,
        "unit.rowlog.before_fsync": 3,

@@ -19,6 +19,14 @@ other key of the key space: the workload lists them all), ``unit_loss`` (LOST on
 every key, *optional*: only keys on the killed unit lose their row, so it may take effect or
 not, within [kill, unit back]).
 
+A ``restart`` (of the whole job: every server killed at its invocation and started again
+by its completion) is neither: it bounds the indeterminate ``put`` and ``clear`` ops that
+returned before it. Once such an op has returned, its client sends nothing more, and every
+process that could still hold it dies at the kill, so it took effect by the restart's
+completion or never. (Restores are not bounded: a journaled restore is rolled forward
+later.) Without the bound, a run with many kills carries every such op to the end of the
+history and the search outgrows its budget.
+
 Reads: ``get`` (the value, ABSENT for a KeysNotFoundError, LOST for a RowsLostError), ``list``
 (row: :data:`LISTED` = any state but ABSENT, :data:`UNLISTED` = ABSENT, LOST allowed either way;
 tag: the exact tag or ABSENT), ``dump`` and ``ckpt_save`` (per key a read of the captured
@@ -55,6 +63,8 @@ SENTINELS = frozenset({ABSENT, LOST, LISTED, UNLISTED})
 
 WRITE_KINDS = frozenset({"put", "clear", "load", "ckpt_load", "unit_loss"})
 READ_KINDS = frozenset({"get", "list", "dump", "ckpt_save"})
+RESTART = "restart"
+BOUNDED_BY_RESTART = frozenset({"put", "clear"})
 OUTCOMES = ("ok", "fail", "info")
 FAMILIES = ("value", "tag")
 DEFAULT_BUDGET = 2_000_000  # search steps per register
@@ -79,7 +89,7 @@ class Op:
     index: int = -1         # position in the history (set by check)
 
     def __post_init__(self):
-        if self.kind not in WRITE_KINDS | READ_KINDS:
+        if self.kind not in WRITE_KINDS | READ_KINDS | {RESTART}:
             raise ValueError(f"unknown op kind {self.kind!r}")
         if self.outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {self.outcome!r}")
@@ -155,10 +165,21 @@ class Verdict:
         return "\n".join([head, *shown] + ([f"... and {more} more"] if more > 0 else []))
 
 
+def _effect_bound(op: Op, restarts: list[tuple[float, float]]) -> float:
+    """When an indeterminate write took effect at the latest: the completion of the first
+    whole-job restart that began after it returned, else never bounded."""
+    if op.kind in BOUNDED_BY_RESTART and op.complete is not None:
+        for kill, back in restarts:
+            if kill >= op.complete:
+                return back
+    return float("inf")
+
+
 def _register_events(history: list[Op]) -> dict[Register, list[Event]]:
     """Each op's effect on each register it touches (failed writes have none)."""
     out: dict[Register, list[Event]] = {}
-    inf = float("inf")
+    restarts = sorted((op.invoke, op.complete) for op in history
+                      if op.kind == RESTART and op.complete is not None)
     for op in history:
         for family, per_key in (("value", op.values), ("tag", op.tags)):
             for (pid, key), value in per_key.items():
@@ -169,7 +190,8 @@ def _register_events(history: list[Op]) -> dict[Register, list[Event]]:
                     definite = op.outcome == "ok" and op.complete is not None
                     out.setdefault(reg, []).append(Event(
                         op=op, write=value, read=None, optional=op.optional,
-                        start=op.invoke, end=op.complete if definite else inf))
+                        start=op.invoke,
+                        end=op.complete if definite else _effect_bound(op, restarts)))
                 elif op.complete is not None:
                     out.setdefault(reg, []).append(Event(
                         op=op, write=None, read=value, optional=False, start=op.invoke,

@@ -51,6 +51,30 @@ def test_indeterminate_puts_pass():
         assert check(h).ok, check(h).summary()
 
 
+def restart(t0, t1) -> Op:
+    return Op("nemesis", "restart", t0, t1, "ok")
+
+
+def test_an_indeterminate_put_is_revealed_by_the_restart_after_it():
+    # it took effect before the kill, unseen; the first read after the restart shows it
+    h = [put(0, 1, {A: "v1"}), put(2, 3, {A: "v2"}, outcome="info"), get(4, 5, {A: "v1"}),
+         restart(6, 7), get(8, 9, {A: "v2"}), get(10, 11, {A: "v2"})]
+    assert check(h).ok, check(h).summary()
+
+
+def test_an_indeterminate_put_cannot_take_effect_after_the_restart_that_followed_it():
+    # unbounded, v2 could appear between the reads after the restart; bounded, it cannot
+    h = [put(0, 1, {A: "v1"}), put(2, 3, {A: "v2"}, outcome="info"),
+         restart(6, 7), get(8, 9, {A: "v1"}), get(10, 11, {A: "v2"})]
+    only(check(h), "not-linearizable")
+    unbounded = [o for o in h if o.kind != "restart"]
+    assert check(unbounded).ok, check(unbounded).summary()
+    # a put still running at the kill is not bounded by it (its client may resend after)
+    late = [put(0, 1, {A: "v1"}), put(2, 12, {A: "v2"}, outcome="info"),
+            restart(6, 7), get(8, 9, {A: "v1"}), get(10, 11, {A: "v2"})]
+    assert check(late).ok, check(late).summary()
+
+
 def test_clears_and_failed_writes_pass():
     h = [put(0, 1, {A: "v1"}), op("clear", 2, 3, {A: ABSENT}), get(4, 5, {A: ABSENT}),
          put(5, 6, {A: "v3"}), put(6, 7, {A: "v4"}, outcome="fail"),

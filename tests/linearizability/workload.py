@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from captures import LOST, KeySpace
-from checker import Op
+from checker import RESTART, Op
 
 HERE = Path(__file__).resolve().parent
 PARTITIONS = ["pa", "pb"]
@@ -200,11 +200,12 @@ def kill_nemesis(seed: int, *, every: tuple[float, float] = (6.0, 12.0)):
 def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0)):
     """A nemesis that, until shortly before ``end``, kills (SIGKILL) every unit and the
     controller at random intervals and starts them all again on the same state dir (the
-    controller on its port). Returns no loss op (durability ``sync``: every acknowledged
-    write survives) and a description of each kill."""
+    controller on its port). Returns each kill as a ``restart`` op (no loss: with durability
+    ``sync`` every acknowledged write survives) and a description of each kill."""
     rng = random.Random(seed)
 
     def nemesis(dep, end: float):
+        ops: list[Op] = []
         described: list[str] = []
         while time.monotonic() + every[1] + 8 < end:
             time.sleep(rng.uniform(*every))   # the schedule is random by design
@@ -216,8 +217,11 @@ def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0)):
             for uid, proc in enumerate(units):
                 proc.wait(10)
                 dep.restart_unit(uid)
+            t1 = time.monotonic()
+            ops.append(Op(process="nemesis", kind=RESTART, invoke=t0, complete=t1,
+                          outcome="ok"))
             described.append(f"job killed ({dep.num_units + 1} processes) and back in "
-                             f"{time.monotonic() - t0:.2f}s")
-        return [], described
+                             f"{t1 - t0:.2f}s")
+        return ops, described
 
     return nemesis

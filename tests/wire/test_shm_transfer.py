@@ -18,6 +18,14 @@ from tqtx.wire import shm
 from tqtx.wire.values import RawTensor
 
 
+@pytest.fixture(autouse=True)
+def no_reserve(monkeypatch):
+    """The inboxes here live in tmp_path, on whatever disk the host has: its free share is
+    not this test's business (one test sets the reserve itself)."""
+    monkeypatch.setattr(shm, "RESERVE_BYTES", 0)
+    monkeypatch.setattr(shm, "RESERVE_SHARE", 0.0)
+
+
 @pytest.fixture
 def inbox(tmp_path):
     box = shm.GetInbox(str(tmp_path))
@@ -72,8 +80,11 @@ def test_write_refuses_when_the_ram_file_system_would_run_low(inbox, monkeypatch
     files = shm.ReplyFiles(0)
     monkeypatch.setattr(shm, "RESERVE_BYTES", 1 << 62)
     assert files.write(inbox.hint_for("g2"), [memoryview(b"x" * 10)], 10) is None
-    assert os.listdir(inbox.dir) == [shm.PROBE]
     monkeypatch.setattr(shm, "RESERVE_BYTES", 0)
+    monkeypatch.setattr(shm, "RESERVE_SHARE", 1.0)  # all of it must stay free
+    assert files.write(inbox.hint_for("g2"), [memoryview(b"x" * 10)], 10) is None
+    assert os.listdir(inbox.dir) == [shm.PROBE]
+    monkeypatch.setattr(shm, "RESERVE_SHARE", 0.0)
     assert files.write(dict(inbox.hint_for("g2"), get="../x"), [memoryview(b"x")], 1) is None
 
 
@@ -120,7 +131,6 @@ def test_sweep_removes_only_inboxes_of_dead_processes_it_made(tmp_path):
 
 def test_reply_columns_writes_big_tensor_columns_and_keeps_the_rest_in_the_message(inbox, monkeypatch):
     monkeypatch.setattr(shm, "MIN_BYTES", 1000)
-    monkeypatch.setattr(shm, "RESERVE_BYTES", 0)
     files = shm.ReplyFiles(1)
     dense = [_raw(torch.full((100,), float(i))) for i in range(5)]
     text = ["a", "b", "c", "d", "e"]
@@ -143,7 +153,6 @@ def _file_column(inbox, rows_by_unit: dict, n: int, monkeypatch) -> tuple[Column
     """A Column as the client builds it: unit u's rows (positions -> tensor) in a reply
     file, except unit "mem" whose rows are in-message RawTensors."""
     monkeypatch.setattr(shm, "MIN_BYTES", 0)
-    monkeypatch.setattr(shm, "RESERVE_BYTES", 0)
     col, opened = Column([None] * n), []
     for u, rows in rows_by_unit.items():
         pos = sorted(rows)

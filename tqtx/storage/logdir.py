@@ -15,10 +15,8 @@ from typing import Callable
 
 import filelock
 
-from .. import faults, fsutil
 from ..errors import DumpFormatError
 from ..format import rowlog as fl
-from ..format.records import RecordEncoder
 from ..wire.values import RawTensor
 from .rows import drop_from, store_into
 
@@ -63,59 +61,29 @@ class LogDir:
 
     def replay(self, store: Callable[[int, int, dict], object],
                drop: Callable[[int, int], object],
-               reset: Callable[[], object]) -> tuple[dict, int, int]:
+               reset: Callable[[], object], *,
+               on_file: Callable[[str, int, int], object] | None = None
+               ) -> tuple[dict, int, int]:
         """Apply the log through ``store(index, gen, values)``, ``drop(index, gen)`` and
-        ``reset()``. Returns ``(stats, highest file number, bytes of the files replayed)``,
-        stats ``{"entries", "bytes", "files", "seconds", "torn"}``."""
+        ``reset()`` (``on_file(kind, number, size)`` before each file's entries). Returns
+        ``(stats, highest file number, bytes of the files replayed)``, stats
+        ``{"entries", "bytes", "files", "seconds", "torn"}``."""
         t0 = time.perf_counter()
         for kind, n in self.list(tmp=True):  # a compaction the last process did not finish
             self.remove(self.path(kind, n, tmp=True))
         files = self.list()
         order = fl.replay_order(files)
         stats = {"files": len(order)}
-        stats.update(replay_files([self.path(k, n) for k, n in order], store, drop, reset))
+        starts = None if on_file is None else \
+            (lambda i, size: on_file(order[i][0], order[i][1], size))
+        stats.update(replay_files([self.path(k, n) for k, n in order], store, drop, reset,
+                                  on_file=starts))
         for kind, n in files:
             if (kind, n) not in order:
                 self.remove(self.path(kind, n))
         disk = sum(os.path.getsize(self.path(k, n)) for k, n in order)
         stats["seconds"] = time.perf_counter() - t0
         return stats, max([n for _k, n in files] + [0]), disk
-
-    def write_base(self, number: int, rows: dict, gens: dict) -> int:
-        """Write ``rows`` (of generations ``gens``) as base ``number``: to its ``.tmp``,
-        fsynced, then renamed into place (the directory fsynced). Returns its size."""
-        tmp, final = self.path(fl.BASE, number, tmp=True), self.path(fl.BASE, number)
-        encoder = RecordEncoder()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        size = 0
-        try:
-            bufs: list = []
-            for idx, row in rows.items():
-                more, n = fl.encode_row(idx, gens[idx], row, encoder)
-                bufs += more
-                size += n
-                if len(bufs) >= 512:
-                    fsutil.writev_all(fd, bufs)
-                    bufs = []
-            fsutil.writev_all(fd, bufs)
-            faults.hit("unit.rowlog.compact.before_fsync")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        fsutil.fsync_dir(self.dir)
-        faults.hit("unit.rowlog.compact.after_rename")
-        return size
-
-    def remove_below(self, number: int) -> int:
-        """Remove the files numbered below ``number`` (a base replaced them); their bytes."""
-        freed = 0
-        for kind, n in self.list():
-            if n < number:
-                path = self.path(kind, n)
-                freed += os.path.getsize(path)
-                self.remove(path)
-        return freed
 
     def release(self, *, remove: bool = False) -> None:
         """Let go of the directory; with ``remove`` delete the log's files first (and the
@@ -153,13 +121,17 @@ def row_log_options(unit_id: int, state_dir: str | None) -> dict:
             "flush_interval": interval}
 
 
-def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False) -> dict:
+def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False,
+                 on_file=None) -> dict:
     """Apply the entries of ``paths``, in order, through ``store(index, gen, values)``,
-    ``drop(index, gen)`` and ``reset()``: ``{"entries", "bytes", "torn"}``. A file whose
-    end is not a whole entry is replayed up to it and logged (``torn``), or with
-    ``strict`` (a checkpoint's files, which were complete when saved) DumpFormatError."""
+    ``drop(index, gen)`` and ``reset()`` (``on_file(position, size)`` before each file's):
+    ``{"entries", "bytes", "torn"}``. A file whose end is not a whole entry is replayed up
+    to it and logged (``torn``), or with ``strict`` (a checkpoint's files, which were
+    complete when saved) DumpFormatError."""
     stats = {"entries": 0, "bytes": 0, "torn": []}
-    for path in paths:
+    for pos, path in enumerate(paths):
+        if on_file is not None:
+            on_file(pos, os.path.getsize(path))
         entries, good, size = _replay_file(path, store, drop, reset)
         stats["entries"] += entries
         stats["bytes"] += good

@@ -14,13 +14,20 @@ stored, so they are encoded later); one writer thread encodes, appends and fsync
 order. With ``buffer`` it writes every half ``flush_interval_s`` and fsyncs every
 interval; with ``sync`` it runs as soon as a request waits for it (the reply of a request
 that stored rows is sent after the fsync that covers them; requests queued meanwhile share
-it). When the files hold more than 1.25x the live
-bytes (and 16 MiB more), the loop snapshots the rows (two dict copies) where the queue
-stands, the writer opens a new segment there, and a compaction thread writes the snapshot
-as that segment's base, fsyncs and renames it, then removes the files it replaces. A
-checkpoint queues a cut: the writer seals the open segment there and fsyncs, and the files
-before it are hard-linked into the checkpoint (:meth:`RowLog.link`). A write that fails (a
-full disk) is cut off its file and retried every interval; meanwhile new rows are refused.
+it).
+
+Compaction frees the oldest file, one at a time, while the files hold more than 1.25x the
+live bytes (and ``COMPACT_SLACK`` more). The writer knows in which file each live row
+began (a row's first entry of its generation; later entries of that generation merge into
+it): the loop queues the live rows that began in the oldest file again, whole, as a batch
+like any other (so the queue's order holds: a row dropped or replaced before it is not in
+it), and once that batch is fsynced the oldest file holds nothing live and is deleted.
+Its drops and resets go with it: they only ever concern rows of files older still, which
+went before. So the disk never holds more than one file's live rows twice; no snapshot of
+the rows is taken, and puts and gets go on meanwhile. A checkpoint queues a cut: the
+writer seals the open segment there and fsyncs, and the files before it are hard-linked
+into the checkpoint (:meth:`RowLog.link`). A write that fails (a full disk) is cut off its
+file and retried every interval; meanwhile new rows are refused.
 """
 from __future__ import annotations
 
@@ -37,19 +44,23 @@ from .logdir import LogDir
 
 log = logging.getLogger("tqtx.unit")
 
-# a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack
-SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(64 << 20)))
+# a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack,
+# and by one file's live rows while that file is compacted
+SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(32 << 20)))
 COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
 WAKE_AT = 64  # requests' batches queued that wake the writer before its half interval
+_WHOLE = 0    # a queued ROW entry that holds the whole row (a compaction re-logs it)
 
 
-class _Rotate:
-    """A queue marker: open a new segment here; ``rows``/``gens`` are its base."""
+class _Compacted:
+    """A queue marker after the batch that re-logged the live rows of file ``key``: from
+    there on the file holds nothing live (unless ``failed``: the loop could not queue
+    them, and the file stays)."""
 
-    __slots__ = ("rows", "gens")
+    __slots__ = ("key", "failed")
 
-    def __init__(self, rows: dict, gens: dict):
-        self.rows, self.gens = rows, gens
+    def __init__(self, key: tuple, failed: bool = False):
+        self.key, self.failed = key, failed
 
 
 class _Waiter:
@@ -90,21 +101,22 @@ class RowLog:
 
     ``sync``: replies wait for the fsync of what their request wrote; ``interval``: seconds
     between fsyncs otherwise; ``live_bytes()``: the bytes of the unit's live rows;
-    ``snapshot()``: ``(rows, gens)`` copies for a compaction (called on the loop)."""
+    ``rows``/``gens``: the unit's rows and their generations (read on the loop only, by a
+    compaction)."""
 
     def __init__(self, directory: str, *, sync: bool, interval: float,
-                 live_bytes: Callable[[], int], snapshot: Callable[[], tuple[dict, dict]],
+                 live_bytes: Callable[[], int], rows: dict, gens: dict,
                  segment_bytes: int | None = None):
         self.dir, self.sync, self.interval = os.fspath(directory), sync, interval
-        self.live_bytes, self.snapshot = live_bytes, snapshot
+        self.live_bytes, self._rows, self._gens = live_bytes, rows, gens
         self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self.files = LogDir(self.dir)
         self._files_lock = threading.Lock()
-        self._compactor: threading.Thread | None = None
         self._encoder = RecordEncoder()  # the writer's
         self._batch: list = []        # this request's changes (loop only)
         self._queue: list = []        # batches, waiters and rotations for the writer
         self._cond = threading.Condition()
+        self._wake = False  # the writer has something to do before its next turn
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._call_soon: Callable = lambda fn: fn()
@@ -113,6 +125,14 @@ class RowLog:
         self._fd, self._number, self._size = -1, 0, 0
         self._sealed: list[int] = []
         self._disk = 0
+        # the writer's view of the files: each file's size, the file each live row began
+        # in (index -> (generation, file)), the rows that began in each file, the files
+        # that hold nothing live (deleted after the next fsync); a file is (number, 0) for a
+        # base, (number, 1) for a segment
+        self._sizes: dict[tuple, int] = {}
+        self._home: dict[int, tuple[int, tuple]] = {}
+        self._began: dict[tuple, set] = {}
+        self._dead: list[tuple] = []
         self._failed_at = -COMPACT_SLACK  # the size of the files at the last failed compaction
         self._unsynced = self._dir_dirty = self._compacting = False
         self.fsyncs = 0
@@ -122,9 +142,30 @@ class RowLog:
     # ---------------------------------------------------------------- replay
     def replay(self, store: Callable[[int, int, dict], object],
                drop: Callable[[int, int], object], reset: Callable[[], object]) -> dict:
-        """Apply the log to the unit (see :meth:`LogDir.replay`), then open a new segment
-        for what follows."""
-        stats, self._number, self._disk = self.files.replay(store, drop, reset)
+        """Apply the log to the unit (see :meth:`LogDir.replay`), noting where each live row
+        began, then open a new segment for what follows."""
+        current: list[tuple] = [(0, 0)]
+
+        def on_file(kind: str, number: int, size: int) -> None:
+            current[0] = (number, 0 if kind == fl.BASE else 1)
+            self._sizes[current[0]] = size
+
+        def store_noted(idx: int, gen: int, values: dict):
+            stored = store(idx, gen, values)
+            if stored is not None:
+                self._note_row(idx, gen, current[0], False)
+            return stored
+
+        def drop_noted(idx: int, gen: int):
+            self._note_drop(idx, gen)
+            return drop(idx, gen)
+
+        def reset_noted():
+            self._note_reset()
+            return reset()
+
+        stats, self._number, self._disk = self.files.replay(store_noted, drop_noted,
+                                                            reset_noted, on_file=on_file)
         self._open_segment()
         return stats
 
@@ -162,6 +203,7 @@ class RowLog:
             with self._cond:
                 self._queue.append(batch)
                 if self.sync or len(self._queue) >= WAKE_AT:
+                    self._wake = True
                     self._cond.notify()
 
     def refuse_if_failing(self) -> None:
@@ -195,6 +237,7 @@ class RowLog:
         """Queue a waiter or a marker for the writer, and wake it."""
         with self._cond:
             self._queue.append(item)
+            self._wake = True
             self._cond.notify()
 
     def link(self, cut: _Cut, target: str) -> list[dict]:
@@ -213,11 +256,25 @@ class RowLog:
                 out.append({"file": name, "size": os.path.getsize(src)})
         return out
 
-    def _start_compaction(self) -> None:
-        """Loop thread: snapshot the rows where the queue stands; the writer opens a new
-        segment there and a compaction thread writes the snapshot as its base."""
-        rows, gens = self.snapshot()
-        self._enqueue(_Rotate(rows, gens))
+    def _relog(self, key: tuple, wanted: dict) -> None:
+        """Loop thread: queue the rows of ``wanted`` (index -> generation) that are still
+        live, whole, then the marker that file ``key`` holds nothing live any more."""
+        rows, gens = self._rows, self._gens
+        try:
+            batch = [(_WHOLE, idx, gen, rows[idx]) for idx, gen in wanted.items()
+                     if gens.get(idx) == gen]
+            faults.hit("unit.rowlog.compact.before_relog")
+        except Exception as exc:  # noqa: BLE001 - the file stays; the writer is told
+            log.error("row log %s: compaction failed: %r", self.dir, exc)
+            batch, key = [], _Compacted(key, failed=True)
+        else:
+            key = _Compacted(key)
+        with self._cond:
+            if batch:
+                self._queue.append(batch)
+            self._queue.append(key)
+            self._wake = True
+            self._cond.notify()
 
     # ---------------------------------------------------------------- the writer thread
     def start(self, call_soon: Callable[[Callable[[], None]], None]) -> "RowLog":
@@ -237,13 +294,14 @@ class RowLog:
         last_sync = time.monotonic()
         while True:
             with self._cond:
-                if not self._stopped and not (self.sync and self._queue):
+                if not self._stopped and not self._wake:
                     self._cond.wait(step)
-                items, self._queue = self._queue, []
+                items, self._queue, self._wake = self._queue, [], False
                 stopping = self._stopped
             waiters = self._write_items(items)
             due = time.monotonic() >= last_sync + self.interval
-            if waiters or due or stopping:
+            # a compacted file goes after the fsync of the rows logged again: at once
+            if waiters or due or stopping or self._dead:
                 self._sync_and_reply(waiters)
                 last_sync = time.monotonic()
             if stopping:  # what a failing disk still holds back is lost with the process
@@ -266,11 +324,11 @@ class RowLog:
                 except Exception as exc:  # noqa: BLE001 - the checkpoint's error
                     item.reply(error=exc)
                 continue
+            if type(item) is _Compacted:
+                self._compacted(item)
+                continue
             try:
-                if type(item) is _Rotate:
-                    self._rotate(item)
-                else:
-                    self._append(item)
+                self._append(item)
                 self.error = None
             except Exception as exc:  # noqa: BLE001 - kept, reported, retried
                 self.error = exc
@@ -287,12 +345,16 @@ class RowLog:
         return waiters
 
     def _append(self, batch: list) -> None:
+        """Write a batch's entries, sealing the segment where it reaches its size (so no
+        file holds much more than ``segment_bytes``, and a compaction logs at most that
+        again)."""
         bufs: list = []
         size = 0
         encoder = self._encoder
+        logged = []  # the entries in ``bufs``: what they change in the writer's view
         for entry in batch:
             kind = entry[0]
-            if kind == fl.ROW:
+            if kind == fl.ROW or kind == _WHOLE:
                 _k, idx, gen, values = entry
                 try:
                     more, n = fl.encode_row(idx, gen, values, encoder)
@@ -306,8 +368,19 @@ class RowLog:
                 more, n = fl.encode_drop(entry[1], entry[2])
             else:
                 more, n = fl.encode_reset()
+            logged.append(entry)
             bufs += more
             size += n
+            if self._size + size >= self.segment_bytes:
+                self._write(bufs, size, logged)
+                self._seal()
+                bufs, size, logged = [], 0, []
+        if logged:
+            self._write(bufs, size, logged)
+        self._compact_if_due()
+
+    def _write(self, bufs: list, size: int, logged: list) -> None:
+        """Append ``bufs`` (the entries ``logged``) to the open segment, all or nothing."""
         faults.hit("unit.rowlog.before_append")
         try:
             fsutil.writev_all(self._fd, bufs)
@@ -315,30 +388,121 @@ class RowLog:
             os.ftruncate(self._fd, self._size)
             raise
         faults.hit("unit.rowlog.after_append")
+        here = (self._number, 1)
+        for entry in logged:
+            kind = entry[0]
+            if kind == fl.ROW or kind == _WHOLE:
+                self._note_row(entry[1], entry[2], here, kind == _WHOLE)
+            elif kind == fl.DROP:
+                for idx, gen in zip(entry[1], entry[2]):
+                    self._note_drop(idx, gen)
+            else:
+                self._note_reset()
         self._size += size
+        self._sizes[here] = self._size
         with self._cond:
             self._disk += size
         self._unsynced = True
-        if self._size >= self.segment_bytes:
-            self._seal()
-        if not self._compacting:
-            self._compact_if_due()
 
-    def _compact_if_due(self) -> bool:
-        """Ask the loop for a compaction if the files hold too much more than the live
-        rows (writer thread, or the compaction thread as it ends)."""
-        if self._disk <= max(1.25 * self.live_bytes() + COMPACT_SLACK,
-                             self._failed_at + COMPACT_SLACK):
-            return False
-        self._compacting = True
-        self._call_soon(self._start_compaction)
-        return True
+    # ---------------------------------------------------------------- where rows began
+    def _note_row(self, idx: int, gen: int, key: tuple, whole: bool) -> None:
+        """Row ``idx`` of ``gen`` was logged in file ``key``: it begins there unless an
+        earlier entry of that generation began it (and this one is not the whole row)."""
+        held = self._home.get(idx)
+        if held is not None:
+            if held[0] > gen or (held[0] == gen and not whole):
+                return
+            self._began[held[1]].discard(idx)
+        self._home[idx] = (gen, key)
+        began = self._began.get(key)
+        if began is None:
+            began = self._began[key] = set()
+        began.add(idx)
+
+    def _note_drop(self, idx: int, gen: int) -> None:
+        held = self._home.get(idx)
+        if held is not None and held[0] == gen:
+            del self._home[idx]
+            self._began[held[1]].discard(idx)
+
+    def _note_reset(self) -> None:
+        self._home.clear()
+        self._began.clear()
+
+    # ---------------------------------------------------------------- compaction
+    def _compact_if_due(self) -> None:
+        """While the files hold too much more than the live rows, free the oldest file:
+        at once if nothing live began in it, else ask the loop to log its live rows again
+        (one file at a time; writer thread)."""
+        while not self._compacting:
+            dead = sum(self._sizes.get(k, 0) for k in self._dead)
+            if self._disk - dead <= max(1.25 * self.live_bytes() + COMPACT_SLACK,
+                                        self._failed_at + COMPACT_SLACK):
+                return
+            open_key = (self._number, 1)
+            oldest = min((k for k in self._sizes if k != open_key and k not in self._dead),
+                         default=None)
+            if oldest is None:
+                return
+            began = self._began.get(oldest)
+            if not began:
+                self._began.pop(oldest, None)
+                self._dead.append(oldest)
+                self.compactions += 1
+                continue
+            self._compacting = True
+            wanted = {idx: self._home[idx][0] for idx in began}
+            self._call_soon(lambda: self._relog(oldest, wanted))
+
+    def _compacted(self, marker: _Compacted) -> None:
+        """The live rows of file ``marker.key`` are logged again: it goes after the next
+        fsync (not before the files grew further, if that failed)."""
+        self._compacting = False
+        key = marker.key
+        left = self._began.get(key)
+        if marker.failed or left:  # left: a row that could not be encoded again
+            if left:
+                log.error("row log %s: %d rows of %s could not be logged again; the file "
+                          "is kept", self.dir, len(left), fl.file_name(*self._kind_number(key)))
+            self._failed_at = self._disk
+            return
+        self._began.pop(key, None)
+        self._dead.append(key)
+        self.compactions += 1
+        self._compact_if_due()
+
+    @staticmethod
+    def _kind_number(key: tuple) -> tuple[str, int]:
+        return (fl.BASE if key[1] == 0 else fl.SEGMENT), key[0]
+
+    def _remove_dead(self) -> None:
+        """Delete the files that hold nothing live (after an fsync of everything written
+        before they were found so). A failure keeps them for the next fsync."""
+        if not self._dead:
+            return
+        freed = 0
+        try:
+            with self._files_lock:  # not while a checkpoint links them
+                while self._dead:
+                    key = self._dead[0]
+                    faults.hit("unit.rowlog.compact.before_unlink")
+                    self.files.remove(self.files.path(*self._kind_number(key)))
+                    freed += self._sizes.pop(key, 0)
+                    self._dead.pop(0)
+            faults.hit("unit.rowlog.compact.after_unlink")
+        except Exception as exc:  # noqa: BLE001 - the files stay; tried again later
+            log.error("row log %s: removing a compacted file failed: %r", self.dir, exc)
+        finally:
+            with self._cond:
+                self._disk -= freed
+        self._dir_dirty = self._dir_dirty or freed > 0
 
     def _open_segment(self) -> None:
         self._number += 1
         path = self.files.path(fl.SEGMENT, self._number)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._size = 0
+        self._sizes[(self._number, 1)] = 0
         self._dir_dirty = True
 
     def _seal(self) -> None:
@@ -361,6 +525,7 @@ class RowLog:
             for fd in self._sealed:
                 os.close(fd)
             self._sealed, self._unsynced = [], False
+            self._remove_dead()
             if self._dir_dirty:
                 fsutil.fsync_dir(self.dir)
                 self._dir_dirty = False
@@ -377,35 +542,6 @@ class RowLog:
         return OSError(getattr(exc, "errno", None) or 5, f"row log {self.dir}: the rows were "
                        f"stored but could not be made durable: {exc}")
 
-    # ---------------------------------------------------------------- compaction
-    def _rotate(self, rotate: "_Rotate") -> None:
-        """Open a new segment where the snapshot was taken; write its base in a thread."""
-        self._seal()
-        self._compactor = threading.Thread(
-            target=self._write_base, args=(self._number, rotate.rows, rotate.gens),
-            name="tqtx-rowlog-compact", daemon=True)
-        self._compactor.start()
-
-    def _write_base(self, number: int, rows: dict, gens: dict) -> None:
-        """The compaction thread: base ``number`` written, then the files it replaces go."""
-        try:
-            size = self.files.write_base(number, rows, gens)
-            with self._files_lock:  # not while a checkpoint links them
-                freed = self.files.remove_below(number)
-            with self._cond:
-                self._disk += size - freed
-            self.compactions += 1
-            log.info("row log %s: compacted to %d rows (%d bytes; %d bytes freed)", self.dir,
-                     len(rows), size, freed)
-        except BaseException as exc:  # the log stays as it was: replay does not need a base
-            log.error("row log %s: compaction failed: %r", self.dir, exc)
-            self.files.remove(self.files.path(fl.BASE, number, tmp=True))
-            self._failed_at = self._disk  # not again before the files grew further
-            self._compacting = False
-            return
-        # what was written meanwhile may already call for the next one
-        self._compacting = self._compact_if_due()
-
     # ---------------------------------------------------------------- end
     def close(self, *, remove: bool = False) -> None:
         """Write and fsync what is queued, stop the writer; with ``remove`` (a clean close
@@ -418,8 +554,6 @@ class RowLog:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        if self._compactor is not None:  # its files are renamed or removed, not left half
-            self._compactor.join(timeout=60)
         for fd in [*self._sealed, self._fd]:
             if fd >= 0:
                 os.close(fd)

@@ -48,6 +48,8 @@ PROBE = ".tqtx-get-probe"
 MIN_BYTES = int(os.environ.get("TQTX_SHM_MIN_BYTES", str(1 << 20)))
 # What a reply file must leave free on the RAM file system, at the least (see write).
 RESERVE_BYTES = int(os.environ.get("TQTX_SHM_RESERVE_BYTES", str(256 << 20)))
+# ... and at least this share of its size.
+RESERVE_SHARE = 0.25
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -227,8 +229,8 @@ class ReplyFiles:
         """Write ``buffers`` (``nbytes`` in all; the list is used up) back to back into a new file of the inbox;
         its name, or None if it could not or should not be written (the caller then
         replies with frames). A RAM file system is shared with everything else on the host
-        (data loader workers, NCCL): a reply that would leave less than a quarter of it
-        (at least ``RESERVE_BYTES``) free goes as frames."""
+        (data loader workers, NCCL): a reply that would leave less than ``RESERVE_SHARE``
+        of it (at least ``RESERVE_BYTES``) free goes as frames."""
         get_id = hint.get("get")
         if not isinstance(get_id, str) or not get_id.isalnum():
             return None
@@ -236,7 +238,7 @@ class ReplyFiles:
             fs = os.statvfs(hint["dir"])
         except OSError:
             return None
-        if fs.f_bavail * fs.f_frsize - nbytes < max(fs.f_blocks * fs.f_frsize // 4,
+        if fs.f_bavail * fs.f_frsize - nbytes < max(fs.f_blocks * fs.f_frsize * RESERVE_SHARE,
                                                      RESERVE_BYTES):
             return None
         name = f"{get_id}-u{self.unit_id}-{secrets.token_hex(4)}"
