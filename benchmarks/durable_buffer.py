@@ -5,6 +5,7 @@
                                         [--ckpt-mb 256] [--reps 5] [--churn-live-mb 128]
                                         [--churn-seconds 30] [--keys 50000]
                                         [--key-bytes 21000] [--dir DIR] [--quick] [--json P]
+                                        [--only writers,checkpoint,churn,recovery]
 
 On disk (--dir, default the temp dir), each figure in one run against its baseline:
 
@@ -261,35 +262,40 @@ def main() -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="writers,checkpoint,churn,recovery",
+                    help="the figures to run, comma-separated")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     if args.quick:
         args.seconds, args.keys, args.key_bytes = 2.0, 5_000, 4_000
         args.ckpt_mb, args.reps = 32, 2
         args.churn_live_mb, args.churn_seconds = 16, 6.0
     root = tempfile.mkdtemp(prefix="tqtx-durable-", dir=args.dir)
     try:
-        out = {"fsync s": fsync_floor(root), "writers": sync_writers(args, root),
-               "checkpoint": checkpoints(args, root), "churn": churn(args, root),
-               "recovery": recovery(args, root)}
+        out = {"fsync s": fsync_floor(root)}
+        for name, run in (("writers", sync_writers), ("checkpoint", checkpoints),
+                          ("churn", churn), ("recovery", recovery)):
+            if name in only:
+                out[name] = run(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"fsync of a 4 KiB append (median): {out['fsync s'] * 1e3:.3f} ms")
-    for setting, r in out["writers"].items():
+    for setting, r in out.get("writers", {}).items():
         print(f"{setting:10s} 1 writer {r['1 writer rows/s']:8.0f} rows/s   {args.writers} "
               f"writers {r[f'{args.writers} writers rows/s']:8.0f} rows/s   ratio "
               f"{r['ratio']:.2f}   per process {r['per process rows/s']:.0f} rows/s")
-    c = out["checkpoint"]
-    print(f"checkpoint of {args.ckpt_mb} MiB: save {c['controller']['save s']:.3f} s "
+    c = out.get("checkpoint")
+    c and print(f"checkpoint of {args.ckpt_mb} MiB: save {c['controller']['save s']:.3f} s "
           f"(controller) / {c['buffer']['save s']:.3f} s (buffer) = "
           f"{c['save buffer / controller']:.3f}; load {c['controller']['load s']:.3f} / "
           f"{c['buffer']['load s']:.3f} s = {c['load buffer / controller']:.2f}")
-    c = out["churn"]
-    print(f"churn ({args.churn_live_mb} MiB live): row log bytes / live bytes median "
+    c = out.get("churn")
+    c and print(f"churn ({args.churn_live_mb} MiB live): row log bytes / live bytes median "
           f"{c['disk / live median']:.2f}, max {c['disk / live max']:.2f} "
           f"({c['samples']} samples); cleared: <= 64 MiB after "
           f"{c['after clearing all: s to <= 64 MiB']:.1f} s ({c['bytes left']} bytes left)")
-    r = out["recovery"]
-    print(f"recovery of {r['keys']} keys ({r['log bytes'] / 2**20:.0f} MiB of row log): "
+    r = out.get("recovery")
+    r and print(f"recovery of {r['keys']} keys ({r['log bytes'] / 2**20:.0f} MiB of row log): "
           f"serving in {r['serving s']:.2f} s, all readable in {r['all readable s']:.2f} s "
           f"({r['readable / floor']:.2f}x the cold read of the log files, "
           f"{r['disk read floor s']:.2f} s); {r['listed after']} keys listed")

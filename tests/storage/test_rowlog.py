@@ -410,3 +410,25 @@ def test_a_checkpoint_links_the_files_before_its_cut_and_leaves_a_base_being_wri
            for i, r in rows.items()}
     assert got == want
     _close(unit)
+
+
+def test_replayed_rows_are_views_of_their_file_unless_it_is_mostly_dead(tmp_path):
+    """A replay reads each file once and keeps the rows' tensors as views of it (no second
+    copy); rows of a file that is mostly dropped rows are copied out, so that file's buffer
+    does not stay in memory for them."""
+    unit = _unit(tmp_path)
+    _put(unit, [[i, {"a": _tensor(i, 1024)}] for i in range(10)], [1] * 10)
+    unit.rowlog.flush()
+    _close(unit)
+    again = _unit(tmp_path)
+    assert {type(r["a"].data) for r in again.rows.values()} == {memoryview}
+    assert again.replayed["copied_bytes"] == 0
+    _drop(again, list(range(9)), [1] * 9)      # 9 of the 10 rows of that file go
+    want = _state(again)
+    _close(again)
+    third = _unit(tmp_path)
+    try:
+        assert _state(third) == want and type(third.rows[9]["a"].data) is bytes
+        assert third.replayed["copied_bytes"] == 4096
+    finally:
+        _close(third)

@@ -46,7 +46,7 @@ log = logging.getLogger("tqtx.unit")
 
 # a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack,
 # and by one file's live rows while that file is compacted
-SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(32 << 20)))
+SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(16 << 20)))
 COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
 WAKE_AT = 64  # requests' batches queued that wake the writer before its half interval
 _WHOLE = 0    # a queued ROW entry that holds the whole row (a compaction re-logs it)

@@ -3,7 +3,10 @@ checkpoint loaded from row logs: a row is merged into a row of its generation, r
 row of an older one, and is refused where the index holds a newer one."""
 from __future__ import annotations
 
-from ..wire.values import row_nbytes, value_nbytes
+from ..wire.values import RawTensor, row_nbytes, value_nbytes
+
+# a replayed file's buffer stays while its live values fill at least this share of it
+MIN_LIVE_SHARE = 0.9  # the unit-memory rule: at most 1.1x the live bytes
 
 
 def store_into(rows: dict[int, dict], gens: dict[int, int], idx: int, gen: int,
@@ -40,3 +43,29 @@ def drop_from(rows: dict[int, dict], gens: dict[int, int], idx: int,
         return None
     del gens[idx]
     return row_nbytes(rows.pop(idx))
+
+
+def own_sparse_views(rows: dict[int, dict], min_share: float = MIN_LIVE_SHARE) -> int:
+    """Replayed rows' tensor values are views of their log file's buffer, which stays in
+    memory as long as one of them lives. Where the live values fill less than
+    ``min_share`` of a buffer (the rest: rows dropped or replaced later in the log), copy
+    them out so the buffer goes; a unit then holds little more than its live bytes. Only
+    for rows no one else holds yet (a replay's). Returns the bytes copied."""
+    buffers: dict[int, list] = {}   # id(buffer) -> [its size, live bytes, (row, field)s]
+    for row in rows.values():
+        for field, value in row.items():
+            if type(value) is RawTensor and type(value.data) is memoryview:
+                base = value.data.obj
+                entry = buffers.get(id(base))
+                if entry is None:
+                    entry = buffers[id(base)] = [len(base), 0, []]
+                entry[1] += value.data.nbytes
+                entry[2].append((row, field))
+    copied = 0
+    for size, live, places in buffers.values():
+        if live >= min_share * size:
+            continue
+        for row, field in places:
+            row[field] = row[field].compact()
+        copied += live
+    return copied

@@ -38,7 +38,7 @@ from .memory import free_bytes, own_small_frames
 from .restore import RestoreWorker
 from .replies import into_reply, reply_columns
 from .rowlog import RowLog
-from .rows import drop_from, store_into
+from .rows import drop_from, own_sparse_views, store_into
 
 log = logging.getLogger("tqtx.unit")
 
@@ -120,6 +120,7 @@ class StorageUnit:
                         live_bytes=lambda: self.bytes_held,
                         rows=self.rows, gens=self.gens)
         self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows)
+        self.replayed["copied_bytes"] = own_sparse_views(self.rows)
         self.replayed["dir"] = log_dir
         if not (self.replayed["entries"] or self.replayed["torn"]):
             self.replayed = None  # a new log: nothing to report
