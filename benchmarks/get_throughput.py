@@ -12,7 +12,11 @@ Workloads, the same bytes for every engine (generated from one seed in each proc
   str; ``put`` = ``kv_batch_put`` of the whole buffer into fresh keys, ``get`` =
   ``kv_batch_get`` of all of it.
 * ``rows64k``: --mb MiB as 64 KiB float32 rows (dense), put and get.
-* ``tiny put``: median latency of --tiny ``kv_put`` calls of one small row.
+* ``ckpt save`` / ``ckpt load``: ``save_checkpoint`` of the system holding the rollout
+  buffer (into the same RAM file system), then ``load_checkpoint`` of it; the floor is one
+  stream writing the buffer's bytes to a file there and reading them back into fresh memory.
+* ``tiny put`` / ``tiny get``: median latency of --tiny ``kv_put`` calls of one small row,
+  then of ``kv_batch_get`` of one of those keys.
 
 Each engine runs in its own worker process (tqtx with this interpreter; TransferQueue
 0.1.11 with ``--tq-python``, a separate venv with ``transferqueue`` and Ray, which this
@@ -40,7 +44,9 @@ from _common import JsonWorker, serve  # noqa: E402
 MiB = 2**20
 ROWS_PER_MIB = 30
 DEFAULT_TQ_PYTHON = "/work/tq-venv/bin/python"
-OPS = ("rollout put", "rollout get", "rows64k put", "rows64k get", "tiny put")
+OPS = ("rollout put", "rollout get", "ckpt save", "ckpt load", "rows64k put", "rows64k get",
+       "tiny put", "tiny get")
+LATENCY_OPS = ("tiny put", "tiny get")
 
 
 # ---------------------------------------------------------------- data (torch only)
@@ -148,6 +154,7 @@ def run_rep(eng: Engine | None, data: dict, tiny: int, check: bool) -> dict:
         cols = [torch.cat(r) for r in rows.values()]
         reward, text = td["reward"].clone(), list(td.get("text").tolist())
         out["rollout get"] = out["rollout put"] = time.perf_counter() - t0
+        out["ckpt save"], out["ckpt load"] = _floor_file(cols + [reward])
         del cols, reward, text
         t0 = time.perf_counter()
         y = x.clone()
@@ -171,17 +178,59 @@ def run_rep(eng: Engine | None, data: dict, tiny: int, check: bool) -> dict:
             if not ok:
                 raise AssertionError(f"{eng.name}: kv_batch_get({name}) returned other values")
         del got
+        if name == "rollout":
+            ckpt = os.path.join(eng.tmp, "ckpt")
+            out["ckpt save"], _ = _timed(tq.save_checkpoint, ckpt)
+            out["ckpt load"], _ = _timed(tq.load_checkpoint, ckpt)
+            shutil.rmtree(ckpt, ignore_errors=True)
         tq.kv_clear(k, pid)
     row = {"obs": torch.rand(16), "reward": torch.tensor(1.0)}
-    lat = []
+    lat, glat = [], []
     for i in range(tiny + 10):
         t0 = time.perf_counter()
         tq.kv_put(f"tiny{i}", "bench-tiny", row)
         if i >= 10:
             lat.append(time.perf_counter() - t0)
+    for i in range(tiny + 10):
+        t0 = time.perf_counter()
+        tq.kv_batch_get([f"tiny{i}"], "bench-tiny")
+        if i >= 10:
+            glat.append(time.perf_counter() - t0)
     tq.kv_clear([f"tiny{i}" for i in range(tiny + 10)], "bench-tiny")
     out["tiny put"] = statistics.median(lat)
+    out["tiny get"] = statistics.median(glat)
     return out
+
+
+def _floor_file(tensors) -> tuple[float, float]:
+    """One stream writing the tensors' bytes to a file on the RAM file system and reading
+    them back into fresh memory: the floor of a checkpoint's save and load."""
+    import torch
+    where = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    path = os.path.join(where, "floor")
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        total = 0
+        try:
+            for t in tensors:
+                view = memoryview(t.contiguous().view(torch.uint8).numpy())
+                total += view.nbytes
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        buf = torch.empty(total, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(buf.numpy()))
+        load = time.perf_counter() - t0
+        del buf
+        return save, load
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def worker(args) -> int:
@@ -284,24 +333,30 @@ def main(argv=None) -> int:
 
 def _print_table(med, kinds, sizes, tq_note):
     others = [(k, label) for k, label in (("tq", "TQ"), ("base", "base")) if k in kinds]
-    head = ["op", "tqtx s", "GB/s", "x floor"]
+    head = ["op", "tqtx s", "GB/s", "Gbit/s", "x floor"]
     for _, label in others:
         head += [f"{label} s", f"tqtx speed / {label}"]
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for op in OPS:
         t = med["tqtx"][op]
-        if op == "tiny put":
-            row = [op, f"{t * 1e3:.3f} ms", "", ""]
+        if op in LATENCY_OPS:
+            row = [op, f"{t * 1e3:.3f} ms", "", "", ""]
         else:
-            row = [op, f"{t:.3f}", f"{sizes[op.split()[0]] / t / 1e9:.2f}",
+            nbytes = sizes["rollout" if op.startswith("ckpt") else op.split()[0]]
+            row = [op, f"{t:.3f}", f"{nbytes / t / 1e9:.2f}", f"{nbytes * 8 / t / 1e9:.1f}",
                    f"{t / med['floor'][op]:.2f}"]
         for k, _ in others:
-            q = med[k][op]
-            row += [f"{q * 1e3:.3f} ms" if op == "tiny put" else f"{q:.3f}", f"{q / t:.2f}x"]
+            q = med[k].get(op)
+            if q is None:
+                row += ["", ""]
+                continue
+            row += [f"{q * 1e3:.3f} ms" if op in LATENCY_OPS else f"{q:.3f}", f"{q / t:.2f}x"]
         print(" | ".join(row))
     print(f"floor: rollout {med['floor']['rollout get']:.3f}s (torch.cat of each jagged field "
-          f"+ reward clone + text list), rows64k {med['floor']['rows64k get']:.3f}s (clone)")
+          f"+ reward clone + text list), rows64k {med['floor']['rows64k get']:.3f}s (clone), "
+          f"checkpoint {med['floor']['ckpt save']:.3f}s / {med['floor']['ckpt load']:.3f}s "
+          f"(one stream writing / reading the rollout's bytes)")
     if tq_note:
         print(tq_note)
 
