@@ -6,6 +6,7 @@ ENOSPC or EIO says which file it hit. Torch-free, stdlib only.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -174,6 +175,35 @@ def preadv_all(fd: int, bufs: list, offset: int) -> None:
         return got
 
     _move_all(step, bufs, "preadv")
+
+
+# Reads at least this long go into fresh populated memory (see pread_fresh).
+FRESH_MIN = 64 << 10
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def fresh_buffer(size: int) -> mmap.mmap:
+    """``size`` bytes of fresh memory for a read to fill: an anonymous mapping whose pages
+    are made in one call (``MAP_POPULATE``) rather than faulted in one by one as the read
+    fills them, and not zeroed twice as a bytearray is. Its memory goes back to the OS as
+    soon as the last view of it goes (no allocator keeps it)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+
+
+def pread_fresh(fd: int, length: int, offset: int):
+    """:func:`pread_exact` into memory of its own that the caller keeps (a record a unit
+    stores): at least :data:`FRESH_MIN` bytes go into a :func:`fresh_buffer` (a view of
+    it is returned), shorter ones into a bytes object."""
+    if length < FRESH_MIN:
+        return pread_exact(fd, length, offset)
+    view = memoryview(fresh_buffer(length))
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            return bytes(view[:got])
+        got += n
+    return view
 
 
 def pread_exact(fd: int, length: int, offset: int):

@@ -224,8 +224,36 @@ def test_corrupt_unit_file_leaves_state_alone(shared, tmp_path):
     unit2.write_bytes(bytes(data))
     with pytest.raises(DumpFormatError, match="unit-2.bin"):
         tq.load_checkpoint(ckpt)
-    # the failed load must not have changed anything (records are verified up front)
+    # the failed load changed nothing: units stage, and switch only once every one staged
     assert tq.kv_batch_get(keys, "p")["x"].tolist() == list(range(100, 130))
+
+
+def test_a_record_of_another_key_is_refused_and_leaves_state_alone(shared, tmp_path):
+    """The metadata gives two keys each other's rows (same sizes, valid checksums): the
+    unit that reads the records finds a record naming another key and the load fails,
+    every unit's staging dropped, nothing switched."""
+    from tqtx import format as fmt
+    from tqtx.dump.checkpoint import MANIFEST
+    from tqtx.wire.codec import packb, unpackb
+    keys = ["a", "b"]
+    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.tensor([1, 2])}, batch_size=[2]))
+    ckpt = tmp_path / "ckpt"
+    tq.save_checkpoint(ckpt)
+    ctl = ckpt / "controller.msgpack"
+    meta = unpackb(ctl.read_bytes())
+    rows = meta["partitions"]["p"]["rows"]
+    ra, rb = (next(r for r in rows if r[0] == k) for k in keys)
+    ra[0], rb[0] = "b", "a"   # each key now claims the other's record
+    data = packb(meta)
+    ctl.write_bytes(data)
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["controller"].update(size=len(data), crc32=fmt.checksum(data))
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    tq.kv_batch_put(keys, "p", TensorDict({"x": torch.tensor([7, 8])}, batch_size=[2]))
+    with pytest.raises(DumpFormatError, match="record") as ei:
+        tq.load_checkpoint(ckpt)
+    assert "unit-" in str(ei.value) and "global index" in str(ei.value)
+    assert tq.kv_batch_get(keys, "p")["x"].tolist() == [7, 8]
 
 
 def test_async_twins(shared, tmp_path):

@@ -192,30 +192,21 @@ def _read_checked(path, entry: dict) -> bytes:
     return data
 
 
-def _verify_records(path: str, entries, idents: dict | None) -> None:
-    """Check every record's checksum, and with ``idents`` (``{global_index: (partition_id,
-    key, generation)}``, version 2 checkpoints) that it names the row the metadata says,
-    before any unit replaces its rows (a unit finding a corrupt record mid-load would leave
-    the other units already loaded)."""
-    try:
-        with open(path, "rb") as f:
-            for gidx, offset, length, crc in entries:
-                f.seek(offset)
-                data = f.read(length)
-                if len(data) != length or fmt.checksum(data) != crc:
-                    raise DumpFormatError(f"{path}: record of global index {gidx} is truncated "
-                                          f"or its checksum does not match")
-                if idents is not None:
-                    ident = idents.get(gidx)
-                    if ident is None:
-                        raise DumpFormatError(f"{path}: record of global index {gidx}: no key "
-                                              f"of controller.msgpack has that index")
-                    fmt.decode_record(data, expected_gidx=gidx, expect=ident,
-                                      where=f"{path}: record of global index {gidx}")
-    except FileNotFoundError:
-        raise DumpNotFoundError(f"{path}: missing", path) from None
-    except OSError as exc:
-        raise DumpFormatError(f"{path}: cannot read: {exc}") from None
+def _expected_rows(path: str, entries, idents: dict | None) -> list | None:
+    """Per record of ``entries``, the ``[partition_id, key, generation]`` it must name
+    (version 2 checkpoints on: ``idents`` ``{global_index: (partition_id, key,
+    generation)}``), checked by the unit as it reads the record; a record no key of the
+    metadata has is refused here, before any unit is asked to read."""
+    if idents is None:
+        return None
+    out = []
+    for gidx, _offset, _length, _crc in entries:
+        ident = idents.get(gidx)
+        if ident is None:
+            raise DumpFormatError(f"{path}: record of global index {gidx}: no key of "
+                                  f"controller.msgpack has that index")
+        out.append(list(ident))
+    return out
 
 
 def load(client, ckpt_dir: str) -> dict:
@@ -255,8 +246,10 @@ def load(client, ckpt_dir: str) -> dict:
             path = _unit_member(ckpt_dir, mpath, entry["file"], entry["size"], "unit file")
             entries = unpackb(_read_checked(os.path.join(ckpt_dir, entry["index"]["file"]),
                                             entry["index"]))
-            _verify_records(path, entries, idents)
-            per_unit[entry["unit"]] = {"path": path, "entries": entries}
+            # each unit checks its records' checksums and keys as it stages them, in
+            # parallel; a bad one fails the staging everywhere before any unit switches
+            per_unit[entry["unit"]] = {"path": path, "entries": entries,
+                                       "expect": _expected_rows(path, entries, idents)}
         # The controller refuses while a restore is unresolved, before any unit is touched.
         client.controller.call("CHECKPOINT_SNAPSHOT", {})
         load_id = _stage_everywhere(client, per_unit)

@@ -159,7 +159,7 @@ def read_entry(fd: int, entry, verify: bool, label: str, expect=None) -> tuple[i
     ``fd``, checking its crc32 if ``verify`` and the row it names against ``expect`` (see
     :func:`decode_record`); errors name ``label`` and the record."""
     gidx, offset, length, crc = entry
-    data = fsutil.pread_exact(fd, length, offset)
+    data = fsutil.pread_fresh(fd, length, offset)
     if len(data) != length:
         raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
                               f"length {length}): truncated shard: read {len(data)} bytes")

@@ -78,9 +78,10 @@ class SaveRequest:
 @dataclass(frozen=True)
 class LoadRequest:
     """LOAD_CHECKPOINT: stage as load ``load_id`` the records ``entries`` (``[index, offset,
-    length, crc]``) of this unit's checkpoint file ``path``, or the rows a checkpoint saved
-    as row log files (``log_files``, replayed in order, every entry checked) holds at
-    ``keep_indexes`` of the generations ``keep_gens``."""
+    length, crc]``) of this unit's checkpoint file ``path`` (each checked against its CRC
+    and, with ``expect``, against the partition, key and generation the metadata gives it),
+    or the rows a checkpoint saved as row log files (``log_files``, replayed in order, every
+    entry checked) holds at ``keep_indexes`` of the generations ``keep_gens``."""
 
     load_id: str
     path: str | None
@@ -88,13 +89,17 @@ class LoadRequest:
     log_files: list[str] | None = None  # or: replay these row log files ...
     keep_indexes: array | None = None   # ... and keep the rows at these indexes,
     keep_gens: array | None = None      # each of the generation named here
+    expect: dict | None = None          # {index: (partition, key, generation)} per record
 
     @classmethod
     def from_wire(cls, body: dict) -> "LoadRequest":
         if body.get("log_files") is not None:
             return cls(body["load_id"], None, [], list(body["log_files"]),
                        unpack_int64(body["keep_indexes"]), unpack_int64(body["keep_gens"]))
-        return cls(body["load_id"], body["path"], body["entries"])
+        expect = body.get("expect")
+        if expect is not None:
+            expect = {e[0]: tuple(x) for e, x in zip(body["entries"], expect)}
+        return cls(body["load_id"], body["path"], body["entries"], expect=expect)
 
 
 @dataclass(frozen=True)
@@ -271,7 +276,8 @@ def _read(request: LoadRequest, load: StagedLoad) -> None:
         return
     if not request.entries:
         return
-    for batch in fmt.read_records(request.path, request.entries, batch=BATCH):
+    for batch in fmt.read_records(request.path, request.entries, batch=BATCH,
+                                  expect=request.expect):
         for idx, row in batch:
             load.rows[idx] = row
             load.nbytes += row_nbytes(row)

@@ -8,13 +8,13 @@ behind); files an earlier compaction replaced, and unfinished bases, are removed
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from typing import Callable
 
 import filelock
 
+from .. import fsutil
 from ..errors import DumpFormatError
 from ..format import rowlog as fl
 from .rows import drop_from, own_sparse_views, store_into
@@ -173,7 +173,7 @@ def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return 0, 0, 0
-        buf = _fresh(size)
+        buf = fsutil.fresh_buffer(size)
         view = memoryview(buf)
         got = 0
         while got < size:
@@ -190,16 +190,6 @@ def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:
             return entries, reader.end, size
         finally:
             view.release()
-
-
-def _fresh(size: int):
-    """Memory for a file's bytes: an anonymous mapping with its pages made at once
-    (``MAP_POPULATE``: one call instead of a fault per page as the read fills it; and not
-    zeroed twice, as a bytearray is). About 25% off a replay's time."""
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _apply(entry, where: str, store, drop, reset) -> None:
