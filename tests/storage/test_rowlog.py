@@ -305,7 +305,7 @@ def test_a_second_unit_on_the_same_directory_is_refused(tmp_path):
     try:
         with pytest.raises(RuntimeError, match="another unit process holds this row log"):
             rl.RowLog(str(tmp_path / "log"), sync=False, interval=1.0,
-                      live_bytes=lambda: 0, rows={}, gens={})
+                      live_bytes=lambda: 0, rows=lambda: ({}, {}))
     finally:
         _close(unit)
 
@@ -432,3 +432,32 @@ def test_replayed_rows_are_views_of_their_file_unless_it_is_mostly_dead(tmp_path
         assert third.replayed["copied_bytes"] == 4096
     finally:
         _close(third)
+
+
+def test_rows_a_checkpoint_switch_brought_survive_the_compaction_of_their_file(
+        tmp_path, monkeypatch):
+    """A checkpoint switch gives the unit new row dicts; a later compaction logs the live
+    rows of their file again from the dicts the unit holds then (not the ones it held
+    before the switch), so a reopen has exactly the switched rows and what came after."""
+    monkeypatch.setattr(rl, "COMPACT_SLACK", 16 << 10)
+    unit = _unit(tmp_path)
+    unit.rowlog.segment_bytes = 16 << 10
+    _put(unit, [[i, {"a": _tensor(i, 512)}] for i in range(4)], [1] * 4)   # replaced below
+    switched = {i: {"a": _tensor(100 + i, 512)} for i in range(4)}
+    unit.replace_rows(switched, {i: 50 + i for i in range(4)},
+                      sum(v["a"].nbytes for v in switched.values()))
+    unit.write_log()
+    for rnd in range(30):   # churn on other indexes: the switch's file becomes the oldest
+        _put(unit, [[10 + i, {"a": _tensor(rnd + i, 512)}] for i in range(4)], [100 + rnd] * 4)
+        _drop(unit, [10 + i for i in range(4)], [100 + rnd] * 4)
+    unit.rowlog.flush()
+    _settle(unit, lambda: _compacted(unit))
+    assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
+    want = _state(unit)
+    assert sorted(want) == [0, 1, 2, 3] and want[2][0] == 52
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == want
+    finally:
+        _close(again)

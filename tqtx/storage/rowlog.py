@@ -101,14 +101,14 @@ class RowLog:
 
     ``sync``: replies wait for the fsync of what their request wrote; ``interval``: seconds
     between fsyncs otherwise; ``live_bytes()``: the bytes of the unit's live rows;
-    ``rows``/``gens``: the unit's rows and their generations (read on the loop only, by a
-    compaction)."""
+    ``rows()``: the unit's rows and their generations, ``(rows, gens)``, as they are now (a
+    checkpoint switch replaces both dicts; read on the loop only, by a compaction)."""
 
     def __init__(self, directory: str, *, sync: bool, interval: float,
-                 live_bytes: Callable[[], int], rows: dict, gens: dict,
+                 live_bytes: Callable[[], int], rows: Callable[[], tuple[dict, dict]],
                  segment_bytes: int | None = None):
         self.dir, self.sync, self.interval = os.fspath(directory), sync, interval
-        self.live_bytes, self._rows, self._gens = live_bytes, rows, gens
+        self.live_bytes, self._rows_now = live_bytes, rows
         self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self.files = LogDir(self.dir)
         self._files_lock = threading.Lock()
@@ -259,7 +259,7 @@ class RowLog:
     def _relog(self, key: tuple, wanted: dict) -> None:
         """Loop thread: queue the rows of ``wanted`` (index -> generation) that are still
         live, whole, then the marker that file ``key`` holds nothing live any more."""
-        rows, gens = self._rows, self._gens
+        rows, gens = self._rows_now()
         try:
             batch = [(_WHOLE, idx, gen, rows[idx]) for idx, gen in wanted.items()
                      if gens.get(idx) == gen]

@@ -118,7 +118,7 @@ class StorageUnit:
         """Open the row log, replay it into the rows, then log every change from here on."""
         rowlog = RowLog(log_dir, sync=sync, interval=interval,
                         live_bytes=lambda: self.bytes_held,
-                        rows=self.rows, gens=self.gens)
+                        rows=lambda: (self.rows, self.gens))
         self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows)
         self.replayed["copied_bytes"] = own_sparse_views(self.rows)
         self.replayed["dir"] = log_dir
