@@ -154,14 +154,14 @@ def _catch_up(unit) -> None:
     for _ in range(1000):
         log.flush()
         _loop_turn(unit)
-        if not (log._compacting or log._dead or log._queue or unit.loop_calls):
+        if not (log._compacting or log._files.dead or log._queue or unit.loop_calls):
             return
     raise AssertionError("the row log did not catch up")
 
 
 def _compacted(unit) -> bool:
     log = unit.rowlog
-    return log.compactions >= 1 and not log._compacting and not log._dead and not log._queue
+    return log.compactions >= 1 and not log._compacting and not log._files.dead and not log._queue
 
 
 def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(

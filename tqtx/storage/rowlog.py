@@ -41,6 +41,7 @@ from .. import faults, fsutil
 from ..format import rowlog as fl
 from ..format.records import RecordEncoder
 from .logdir import LogDir
+from .rowlog_files import LogFiles, file_key, file_name
 
 log = logging.getLogger("tqtx.unit")
 
@@ -125,14 +126,7 @@ class RowLog:
         self._fd, self._number, self._size = -1, 0, 0
         self._sealed: list[int] = []
         self._disk = 0
-        # the writer's view of the files: each file's size, the file each live row began
-        # in (index -> (generation, file)), the rows that began in each file, the files
-        # that hold nothing live (deleted after the next fsync); a file is (number, 0) for a
-        # base, (number, 1) for a segment
-        self._sizes: dict[tuple, int] = {}
-        self._home: dict[int, tuple[int, tuple]] = {}
-        self._began: dict[tuple, set] = {}
-        self._dead: list[tuple] = []
+        self._files = LogFiles()  # the writer's view of the files, for compaction
         self._failed_at = -COMPACT_SLACK  # the size of the files at the last failed compaction
         self._unsynced = self._dir_dirty = self._compacting = False
         self.fsyncs = 0
@@ -144,24 +138,24 @@ class RowLog:
                drop: Callable[[int, int], object], reset: Callable[[], object]) -> dict:
         """Apply the log to the unit (see :meth:`LogDir.replay`), noting where each live row
         began, then open a new segment for what follows."""
-        current: list[tuple] = [(0, 0)]
+        files, current = self._files, [(0, 0)]
 
         def on_file(kind: str, number: int, size: int) -> None:
-            current[0] = (number, 0 if kind == fl.BASE else 1)
-            self._sizes[current[0]] = size
+            current[0] = file_key(kind, number)
+            files.sizes[current[0]] = size
 
         def store_noted(idx: int, gen: int, values: dict):
             stored = store(idx, gen, values)
             if stored is not None:
-                self._note_row(idx, gen, current[0], False)
+                files.row(idx, gen, current[0], False)
             return stored
 
         def drop_noted(idx: int, gen: int):
-            self._note_drop(idx, gen)
+            files.drop(idx, gen)
             return drop(idx, gen)
 
         def reset_noted():
-            self._note_reset()
+            files.reset()
             return reset()
 
         stats, self._number, self._disk = self.files.replay(store_noted, drop_noted,
@@ -301,7 +295,7 @@ class RowLog:
             waiters = self._write_items(items)
             due = time.monotonic() >= last_sync + self.interval
             # a compacted file goes after the fsync of the rows logged again: at once
-            if waiters or due or stopping or self._dead:
+            if waiters or due or stopping or self._files.dead:
                 self._sync_and_reply(waiters)
                 last_sync = time.monotonic()
             if stopping:  # what a failing disk still holds back is lost with the process
@@ -388,107 +382,68 @@ class RowLog:
             os.ftruncate(self._fd, self._size)
             raise
         faults.hit("unit.rowlog.after_append")
-        here = (self._number, 1)
+        here, files = (self._number, 1), self._files
         for entry in logged:
             kind = entry[0]
             if kind == fl.ROW or kind == _WHOLE:
-                self._note_row(entry[1], entry[2], here, kind == _WHOLE)
+                files.row(entry[1], entry[2], here, kind == _WHOLE)
             elif kind == fl.DROP:
                 for idx, gen in zip(entry[1], entry[2]):
-                    self._note_drop(idx, gen)
+                    files.drop(idx, gen)
             else:
-                self._note_reset()
+                files.reset()
         self._size += size
-        self._sizes[here] = self._size
+        files.sizes[here] = self._size
         with self._cond:
             self._disk += size
         self._unsynced = True
-
-    # ---------------------------------------------------------------- where rows began
-    def _note_row(self, idx: int, gen: int, key: tuple, whole: bool) -> None:
-        """Row ``idx`` of ``gen`` was logged in file ``key``: it begins there unless an
-        earlier entry of that generation began it (and this one is not the whole row)."""
-        held = self._home.get(idx)
-        if held is not None:
-            if held[0] > gen or (held[0] == gen and not whole):
-                return
-            self._began[held[1]].discard(idx)
-        self._home[idx] = (gen, key)
-        began = self._began.get(key)
-        if began is None:
-            began = self._began[key] = set()
-        began.add(idx)
-
-    def _note_drop(self, idx: int, gen: int) -> None:
-        held = self._home.get(idx)
-        if held is not None and held[0] == gen:
-            del self._home[idx]
-            self._began[held[1]].discard(idx)
-
-    def _note_reset(self) -> None:
-        self._home.clear()
-        self._began.clear()
 
     # ---------------------------------------------------------------- compaction
     def _compact_if_due(self) -> None:
         """While the files hold too much more than the live rows, free the oldest file:
         at once if nothing live began in it, else ask the loop to log its live rows again
         (one file at a time; writer thread)."""
+        files = self._files
         while not self._compacting:
-            dead = sum(self._sizes.get(k, 0) for k in self._dead)
-            if self._disk - dead <= max(1.25 * self.live_bytes() + COMPACT_SLACK,
-                                        self._failed_at + COMPACT_SLACK):
+            if files.live_disk(self._disk) <= max(1.25 * self.live_bytes() + COMPACT_SLACK,
+                                                  self._failed_at + COMPACT_SLACK):
                 return
-            open_key = (self._number, 1)
-            oldest = min((k for k in self._sizes if k != open_key and k not in self._dead),
-                         default=None)
+            oldest = files.oldest((self._number, 1))
             if oldest is None:
                 return
-            began = self._began.get(oldest)
-            if not began:
-                self._began.pop(oldest, None)
-                self._dead.append(oldest)
+            if files.kill(oldest):
                 self.compactions += 1
                 continue
             self._compacting = True
-            wanted = {idx: self._home[idx][0] for idx in began}
+            wanted = files.live_rows_of(oldest)
             self._call_soon(lambda: self._relog(oldest, wanted))
 
     def _compacted(self, marker: _Compacted) -> None:
         """The live rows of file ``marker.key`` are logged again: it goes after the next
         fsync (not before the files grew further, if that failed)."""
         self._compacting = False
-        key = marker.key
-        left = self._began.get(key)
-        if marker.failed or left:  # left: a row that could not be encoded again
-            if left:
-                log.error("row log %s: %d rows of %s could not be logged again; the file "
-                          "is kept", self.dir, len(left), fl.file_name(*self._kind_number(key)))
+        if marker.failed or not self._files.kill(marker.key):
+            if not marker.failed:  # a row that could not be encoded again
+                log.error("row log %s: rows of %s could not be logged again; the file is "
+                          "kept", self.dir, file_name(marker.key))
             self._failed_at = self._disk
             return
-        self._began.pop(key, None)
-        self._dead.append(key)
         self.compactions += 1
         self._compact_if_due()
-
-    @staticmethod
-    def _kind_number(key: tuple) -> tuple[str, int]:
-        return (fl.BASE if key[1] == 0 else fl.SEGMENT), key[0]
 
     def _remove_dead(self) -> None:
         """Delete the files that hold nothing live (after an fsync of everything written
         before they were found so). A failure keeps them for the next fsync."""
-        if not self._dead:
+        files = self._files
+        if not files.dead:
             return
         freed = 0
         try:
             with self._files_lock:  # not while a checkpoint links them
-                while self._dead:
-                    key = self._dead[0]
+                for key in list(files.dead):
                     faults.hit("unit.rowlog.compact.before_unlink")
-                    self.files.remove(self.files.path(*self._kind_number(key)))
-                    freed += self._sizes.pop(key, 0)
-                    self._dead.pop(0)
+                    self.files.remove(os.path.join(self.dir, file_name(key)))
+                    freed += files.removed(key)
             faults.hit("unit.rowlog.compact.after_unlink")
         except Exception as exc:  # noqa: BLE001 - the files stay; tried again later
             log.error("row log %s: removing a compacted file failed: %r", self.dir, exc)
@@ -502,7 +457,7 @@ class RowLog:
         path = self.files.path(fl.SEGMENT, self._number)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._size = 0
-        self._sizes[(self._number, 1)] = 0
+        self._files.sizes[(self._number, 1)] = 0
         self._dir_dirty = True
 
     def _seal(self) -> None:
