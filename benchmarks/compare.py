@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         base = baseline_tree(a.baseline, os.path.join(work, "base")) if a.baseline else None
         kv_json = os.path.join(work, "kv.json")
         args = ["--units", str(a.units), "--mb", str(a.mb), "--reps", str(a.reps),
-                "--tiny", str(a.tiny), "--tq-python", a.tq_python, "--json", kv_json]
+                "--tiny", str(a.tiny), "--tq-python", a.tq_python, "--json", kv_json,
+                "--warmup", "1" if a.quick else "2"]
         if base:
             args += ["--baseline", base]
         get_throughput.main(args)

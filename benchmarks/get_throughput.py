@@ -2,6 +2,7 @@
 """kv_batch_get / put of a realistic rollout buffer: tqtx against TransferQueue and a copy floor.
 
     python benchmarks/get_throughput.py [--units 4] [--mb 256] [--reps 5] [--tiny 200]
+                                        [--warmup 2]
                                         [--tq-python /work/tq-venv/bin/python | --no-tq]
                                         [--json P]
 
@@ -277,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tiny", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="repetitions run first and not counted (default 2)")
     p.add_argument("--tq-python", default=os.environ.get("TQ_PYTHON", DEFAULT_TQ_PYTHON),
                    help="interpreter of a venv with transferqueue==0.1.11 (and Ray)")
     p.add_argument("--no-tq", action="store_true", help="leave the TransferQueue column out")
@@ -311,10 +314,13 @@ def main(argv=None) -> int:
               f"rows64k: {a.mb * MiB // 65536} x 64 KiB; {a.units} units; {a.reps} reps",
               flush=True)
         times = {k: {op: [] for op in OPS} for k in kinds}
+        for rep in range(a.warmup):   # not counted: the first repetitions are the slowest
+            for k in kinds:
+                workers[k].call("rep", check=rep == 0)
         for rep in range(a.reps):
             order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
             for k in order:
-                for op, s in workers[k].call("rep", check=rep == 0).items():
+                for op, s in workers[k].call("rep", check=rep == 0 and not a.warmup).items():
                     times[k][op].append(s)
             print(f"rep {rep + 1}/{a.reps}: " + ", ".join(
                 f"{k} get {times[k]['rollout get'][-1]:.3f}s" for k in kinds), flush=True)
