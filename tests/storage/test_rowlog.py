@@ -461,3 +461,22 @@ def test_rows_a_checkpoint_switch_brought_survive_the_compaction_of_their_file(
         assert _state(again) == want
     finally:
         _close(again)
+
+
+def test_drops_after_a_replay_let_a_mostly_dead_file_buffer_go(tmp_path):
+    """Replayed rows share their file's buffer; once drops leave it mostly dead, the rows
+    left are copied out (the same bytes) so the buffer can go."""
+    unit = _unit(tmp_path)
+    _put(unit, [[i, {"a": _tensor(i, 1024)}] for i in range(10)], [1] * 10)
+    unit.rowlog.flush()
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert {type(r["a"].data) for r in again.rows.values()} == {memoryview}
+        want = {i: bytes(again.rows[i]["a"].data) for i in (8, 9)}
+        _drop(again, list(range(8)), [1] * 8)
+        assert {i: type(again.rows[i]["a"].data) for i in (8, 9)} == {8: bytes, 9: bytes}
+        assert {i: bytes(again.rows[i]["a"].data) for i in (8, 9)} == want
+        assert again._views_checked_at is None   # nothing shared any more: no more passes
+    finally:
+        _close(again)

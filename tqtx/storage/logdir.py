@@ -158,7 +158,7 @@ def read_rows(paths: list[str]) -> tuple[dict[int, dict], dict[int, int]]:
 
     replay_files(paths, lambda i, g, v: store_into(rows, gens, i, g, v),
                  lambda i, g: drop_from(rows, gens, i, g), reset, strict=True)
-    own_sparse_views(rows)
+    own_sparse_views(rows)   # (a load's staged rows: nothing has dropped any of them yet)
     return rows, gens
 
 

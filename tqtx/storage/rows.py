@@ -45,12 +45,14 @@ def drop_from(rows: dict[int, dict], gens: dict[int, int], idx: int,
     return row_nbytes(rows.pop(idx))
 
 
-def own_sparse_views(rows: dict[int, dict], min_share: float = MIN_LIVE_SHARE) -> int:
+def own_sparse_views(rows: dict[int, dict],
+                     min_share: float = MIN_LIVE_SHARE) -> tuple[int, int]:
     """Replayed rows' tensor values are views of their log file's buffer, which stays in
     memory as long as one of them lives. Where the live values fill less than
-    ``min_share`` of a buffer (the rest: rows dropped or replaced later in the log), copy
-    them out so the buffer goes; a unit then holds little more than its live bytes. Only
-    for rows no one else holds yet (a replay's). Returns the bytes copied."""
+    ``min_share`` of a buffer (the rest: rows dropped or replaced later in the log, or
+    since), copy them out so the buffer goes; a unit then holds little more than its live
+    bytes. A value is replaced by an equal copy in its row (a reader holding the row reads
+    the same bytes either way). Returns ``(bytes copied, buffers still shared)``."""
     buffers: dict[int, list] = {}   # id(buffer) -> [its size, live bytes, (row, field)s]
     for row in rows.values():
         for field, value in row.items():
@@ -61,11 +63,12 @@ def own_sparse_views(rows: dict[int, dict], min_share: float = MIN_LIVE_SHARE) -
                     entry = buffers[id(base)] = [len(base), 0, []]
                 entry[1] += value.data.nbytes
                 entry[2].append((row, field))
-    copied = 0
+    copied = kept = 0
     for size, live, places in buffers.values():
         if live >= min_share * size:
+            kept += 1
             continue
         for row, field in places:
             row[field] = row[field].compact()
         copied += live
-    return copied
+    return copied, kept

@@ -108,6 +108,7 @@ class StorageUnit:
         self.dumps = UnitDumps(self)
         # durability buffer / sync: the rows are also in a log in log_dir, replayed here
         self.rowlog: RowLog | None = None
+        self._views_checked_at: int | None = None  # see _open_log
         self.remove_log = False  # set by a SHUTDOWN without keep_buffer
         self.replayed: dict | None = None
         if log_dir is not None:
@@ -120,7 +121,11 @@ class StorageUnit:
                         live_bytes=lambda: self.bytes_held,
                         rows=lambda: (self.rows, self.gens))
         self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows)
-        self.replayed["copied_bytes"] = own_sparse_views(self.rows)
+        copied, shared = own_sparse_views(self.rows)
+        self.replayed["copied_bytes"] = copied
+        # while replayed rows share their files' buffers, drops can leave a buffer mostly
+        # dead: look again each time a tenth of the bytes went (see drop_rows)
+        self._views_checked_at = self.bytes_held if shared else None
         self.replayed["dir"] = log_dir
         if not (self.replayed["entries"] or self.replayed["torn"]):
             self.replayed = None  # a new log: nothing to report
@@ -307,12 +312,18 @@ class StorageUnit:
             self.rowlog.drop([i for i, _ in logged], [g for _, g in logged])
         if n and not self.rows:
             self._emptied()
+        elif self._views_checked_at is not None and \
+                self.bytes_held < 0.9 * self._views_checked_at:
+            shared = own_sparse_views(self.rows)[1]
+            self._views_checked_at = self.bytes_held if shared else None
         return {"dropped": n}
 
     def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int) -> None:
         """Make ``rows`` (of generations ``gens``, ``nbytes`` value bytes) the unit's rows
         (a checkpoint switch); the row log records the reset and every new row."""
         self.rows, self.gens, self.bytes_held = rows, gens, nbytes
+        shared = own_sparse_views(rows)[1]   # rows of a checkpoint's row log files
+        self._views_checked_at = nbytes if shared else None
         rowlog = self.rowlog
         if rowlog is not None:
             rowlog.reset()
@@ -334,6 +345,7 @@ class StorageUnit:
         table at its largest size; clear() frees it (the same dict: others hold it)."""
         self.rows.clear()
         self.gens.clear()
+        self._views_checked_at = None
         forget_shapes()
 
     def stats(self, body, req):
