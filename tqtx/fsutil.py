@@ -197,13 +197,8 @@ def pread_fresh(fd: int, length: int, offset: int):
     if length < FRESH_MIN:
         return pread_exact(fd, length, offset)
     view = memoryview(fresh_buffer(length))
-    got = 0
-    while got < length:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            return bytes(view[:got])
-        got += n
-    return view
+    got = _fill(fd, view, 0, offset)
+    return view if got == length else bytes(view[:got])
 
 
 def pread_exact(fd: int, length: int, offset: int):
@@ -213,11 +208,17 @@ def pread_exact(fd: int, length: int, offset: int):
         return data
     buf = bytearray(length)
     view = memoryview(buf)
-    got = len(data)
-    view[:got] = data
-    while got < length:
+    view[:len(data)] = data
+    got = _fill(fd, view, len(data), offset)
+    return buf if got == length else bytes(view[:got])
+
+
+def _fill(fd: int, view: memoryview, got: int, offset: int) -> int:
+    """Read into ``view`` from its byte ``got`` on (file offset ``offset`` + ``got``) until
+    it is full or the file ends; the bytes it then holds."""
+    while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n <= 0:
-            return bytes(view[:got])
+            break
         got += n
-    return buf
+    return got

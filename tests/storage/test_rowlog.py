@@ -147,6 +147,16 @@ def _disk(tmp_path) -> int:
     return total
 
 
+def _state_after_reopen(unit, tmp_path) -> dict:
+    """Close ``unit``, open a unit on its directory (a replay) and return what it holds."""
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        return _state(again)
+    finally:
+        _close(again)
+
+
 def _catch_up(unit) -> None:
     """Let the writer and the compaction finish what the requests so far gave them (a
     unit's loop runs the compaction's share at once; here each turn is run by hand)."""
@@ -179,12 +189,7 @@ def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(
     assert _disk(tmp_path) <= 1.25 * unit.bytes_held + rl.COMPACT_SLACK + unit.rowlog.segment_bytes
     assert "seg-00000001.log" not in files
     want = _state(unit)
-    _close(unit)
-    again = _unit(tmp_path)
-    try:
-        assert _state(again) == want and len(want) == 8
-    finally:
-        _close(again)
+    assert _state_after_reopen(unit, tmp_path) == want and len(want) == 8
 
 
 def test_a_row_merged_across_files_is_whole_after_its_first_file_is_compacted(
@@ -208,12 +213,7 @@ def test_a_row_merged_across_files_is_whole_after_its_first_file_is_compacted(
     assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
     want = _state(unit)
     assert set(want) == {100, 101} and set(want[100][1]) == {"a", "b"}
-    _close(unit)
-    again = _unit(tmp_path)
-    try:
-        assert _state(again) == want
-    finally:
-        _close(again)
+    assert _state_after_reopen(unit, tmp_path) == want
 
 
 def test_disk_use_stays_within_its_bound_throughout_a_churn(tmp_path, monkeypatch):
@@ -245,12 +245,7 @@ def test_disk_use_stays_within_its_bound_throughout_a_churn(tmp_path, monkeypatc
     assert max(settled) <= bound and max(peaks) <= bound, (max(settled), max(peaks), bound)
     assert unit.rowlog.compactions >= 5 and peaks
     want = _state(unit)
-    _close(unit)
-    again = _unit(tmp_path)
-    try:
-        assert _state(again) == want and len(want) == 64
-    finally:
-        _close(again)
+    assert _state_after_reopen(unit, tmp_path) == want and len(want) == 64
 
 
 def test_clearing_everything_shrinks_the_directory_to_almost_nothing(tmp_path, monkeypatch):
@@ -455,12 +450,7 @@ def test_rows_a_checkpoint_switch_brought_survive_the_compaction_of_their_file(
     assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
     want = _state(unit)
     assert sorted(want) == [0, 1, 2, 3] and want[2][0] == 52
-    _close(unit)
-    again = _unit(tmp_path)
-    try:
-        assert _state(again) == want
-    finally:
-        _close(again)
+    assert _state_after_reopen(unit, tmp_path) == want
 
 
 def test_drops_after_a_replay_let_a_mostly_dead_file_buffer_go(tmp_path):
