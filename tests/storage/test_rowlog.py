@@ -186,7 +186,8 @@ def test_compaction_keeps_the_live_rows_and_frees_the_files_of_dead_ones(
     unit.rowlog.flush()
     _settle(unit, lambda: _compacted(unit))
     files = os.listdir(tmp_path / "log")
-    assert _disk(tmp_path) <= 1.25 * unit.bytes_held + rl.COMPACT_SLACK + unit.rowlog.segment_bytes
+    assert _disk(tmp_path) <= (rl.COMPACT_RATIO * unit.bytes_held + rl.COMPACT_SLACK
+                               + unit.rowlog.segment_bytes)
     assert "seg-00000001.log" not in files
     want = _state(unit)
     assert _state_after_reopen(unit, tmp_path) == want and len(want) == 8
@@ -218,7 +219,7 @@ def test_a_row_merged_across_files_is_whole_after_its_first_file_is_compacted(
 
 def test_disk_use_stays_within_its_bound_throughout_a_churn(tmp_path, monkeypatch):
     """Live rows that stay (a buffer) beside rows put and dropped again and again: the files
-    never hold more than 1.25x the live bytes, the slack and one file's rows twice; also
+    never hold more than 1.2x the live bytes, the slack and one file's rows twice; also
     at the peak, when a file's live rows are logged again and the file is not yet gone."""
     monkeypatch.setattr(rl, "COMPACT_SLACK", 32 << 10)
     peaks = []
@@ -234,7 +235,7 @@ def test_disk_use_stays_within_its_bound_throughout_a_churn(tmp_path, monkeypatc
     unit.rowlog.segment_bytes = 32 << 10
     _put(unit, [[1000 + i, {"a": _tensor(i, 1024)}] for i in range(64)], [1] * 64)  # 256 KiB
     live = unit.bytes_held
-    bound = 1.25 * live + rl.COMPACT_SLACK + 2 * unit.rowlog.segment_bytes
+    bound = rl.COMPACT_RATIO * live + rl.COMPACT_SLACK + 2 * unit.rowlog.segment_bytes
     settled = []
     for rnd in range(120):
         _put(unit, [[i, {"a": _tensor(rnd + i, 1024)}] for i in range(4)], [rnd + 2] * 4)

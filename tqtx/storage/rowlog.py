@@ -16,7 +16,7 @@ interval; with ``sync`` it runs as soon as a request waits for it (the reply of 
 that stored rows is sent after the fsync that covers them; requests queued meanwhile share
 it).
 
-Compaction frees the oldest file, one at a time, while the files hold more than 1.25x the
+Compaction frees the oldest file, one at a time, while the files hold more than 1.2x the
 live bytes (and ``COMPACT_SLACK`` more). The writer knows in which file each live row
 began (a row's first entry of its generation; later entries of that generation merge into
 it): the loop queues the live rows that began in the oldest file again, whole, as a batch
@@ -45,9 +45,10 @@ from .rowlog_files import LogFiles, file_key, file_name
 
 log = logging.getLogger("tqtx.unit")
 
-# a segment is sealed past this size; the files may exceed 1.25x the live bytes by the slack,
-# and by one file's live rows while that file is compacted
+# a segment is sealed past this size; the files may exceed COMPACT_RATIO x the live bytes by
+# the slack, and by one file's live rows while that file is compacted (at 128 MiB live: 1.45x)
 SEGMENT_BYTES = int(os.environ.get("TQTX_ROWLOG_SEGMENT_BYTES", str(16 << 20)))
+COMPACT_RATIO = 1.2
 COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
 WAKE_AT = 64  # requests' batches queued that wake the writer before its half interval
 _WHOLE = 0    # a queued ROW entry that holds the whole row (a compaction re-logs it)
@@ -405,7 +406,7 @@ class RowLog:
         (one file at a time; writer thread)."""
         files = self._files
         while not self._compacting:
-            if files.live_disk(self._disk) <= max(1.25 * self.live_bytes() + COMPACT_SLACK,
+            if files.live_disk(self._disk) <= max(COMPACT_RATIO * self.live_bytes() + COMPACT_SLACK,
                                                   self._failed_at + COMPACT_SLACK):
                 return
             oldest = files.oldest((self._number, 1))
