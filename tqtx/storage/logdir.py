@@ -3,7 +3,8 @@
 The files are :mod:`tqtx.format.rowlog`'s; :mod:`tqtx.storage.rowlog` writes them. Replay
 applies the newest base, then the segments from its number on, each up to its last whole
 entry (a crash in the middle of a write leaves a torn tail, which is logged and left
-behind); files an earlier compaction replaced, and unfinished bases, are removed.
+behind); files a base replaced, and unfinished bases (both written by earlier releases'
+compaction), are removed.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class LogDir:
         ``(stats, highest file number, bytes of the files replayed)``, stats
         ``{"entries", "bytes", "files", "seconds", "torn"}``."""
         t0 = time.perf_counter()
-        for kind, n in self.list(tmp=True):  # a compaction the last process did not finish
+        for kind, n in self.list(tmp=True):  # a base an earlier release did not finish
             self.remove(self.path(kind, n, tmp=True))
         files = self.list()
         order = fl.replay_order(files)

@@ -2,9 +2,9 @@
 when the unit starts again on the same data directory.
 
 The files and entries are :mod:`tqtx.format.rowlog`'s: segments of entries (a row stored, rows
-dropped, every row replaced) in the order the unit applied them, and bases (every live row
-when a segment was opened). Replay reads the newest base, then the segments from its number
-on. A torn entry at the end of a file (a crash in the middle of a write) ends that file; so
+dropped, every row replaced) in the order the unit applied them; a base (every live row when
+a segment was opened, written by earlier releases' compaction) is still read first. Replay
+reads the newest base, then the segments from its number on. A torn entry at the end of a file (a crash in the middle of a write) ends that file; so
 does a bad entry elsewhere, which is logged: the controller then names the rows it misses
 lost when the unit registers. The (index, generation) pair names the key incarnation: the
 controller reconciles by it and drops rows no committed put accounts for.
@@ -116,7 +116,7 @@ class RowLog:
         self._files_lock = threading.Lock()
         self._encoder = RecordEncoder()  # the writer's
         self._batch: list = []        # this request's changes (loop only)
-        self._queue: list = []        # batches, waiters and rotations for the writer
+        self._queue: list = []        # batches, waiters and markers for the writer
         self._cond = threading.Condition()
         self._wake = False  # the writer has something to do before its next turn
         self._stopped = False
@@ -303,7 +303,7 @@ class RowLog:
                 return
 
     def _write_items(self, items: list) -> list:
-        """Write the queued batches (rotating at the markers); returns the waiters met.
+        """Write the queued batches (acting on the markers); returns the waiters met.
         A failed write is cut off its file and the items from it on are queued again to
         be retried after the interval; its waiters get the error."""
         waiters = []
