@@ -187,12 +187,14 @@ class Controller:
                 if load_id in (ck.get("staged") or ()):
                     return self._switch_first(uid)
                 stale = True
+        t0 = time.perf_counter()
         drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
+        reconciled = time.perf_counter() - t0
         if stale and held:
             drop = [[i, g] for i, g in zip(held.get("indexes") or (), held.get("gens") or ())]
         if body.get("replayed"):
             self._note_replay(uid, body["replayed"], len(held.get("indexes") or ()),
-                              len(drop), lost)
+                              len(drop), lost, reconciled)
         self.dead_buffer.unit_reported(uid, held, body.get("attached", True))
         self.awaiting_units.discard(uid)
         if not self.awaiting_units:
@@ -208,13 +210,14 @@ class Controller:
         return {"incarnation": self.incarnation, "drop": drop, "drop_staged": drop_staged}
 
     def _note_replay(self, uid: int, replayed: dict, rows: int, dropped: int,
-                     lost: int) -> None:
+                     lost: int, reconciled: float) -> None:
         """Journal what unit ``uid`` brought back from its row log (``tqtx journal show``)."""
         detail = (f"{rows} rows from {replayed.get('entries')} log entries "
                   f"({replayed.get('bytes')} bytes, {float(replayed.get('seconds', 0)):.3f}s) "
                   f"in {replayed.get('dir')}; {dropped} dropped (no committed put names "
                   f"them), {lost} rows of committed keys missing (named lost), "
-                  f"{len(replayed.get('torn') or ())} torn file ends cut off")
+                  f"{len(replayed.get('torn') or ())} torn file ends cut off; reconciled in "
+                  f"{reconciled:.3f}s")
         self.journal.record_recovery(incarnation_id=self.incarnation, kind="buffer",
                                      target=f"unit {uid}", action=st.REPLAYED,
                                      detail=detail[:2000])
