@@ -197,7 +197,7 @@ def pread_fresh(fd: int, length: int, offset: int):
     if length < FRESH_MIN:
         return pread_exact(fd, length, offset)
     view = memoryview(fresh_buffer(length))
-    got = _fill(fd, view, 0, offset)
+    got = pread_into(fd, view, offset)
     return view if got == length else bytes(view[:got])
 
 
@@ -209,11 +209,11 @@ def pread_exact(fd: int, length: int, offset: int):
     buf = bytearray(length)
     view = memoryview(buf)
     view[:len(data)] = data
-    got = _fill(fd, view, len(data), offset)
+    got = pread_into(fd, view, offset, len(data))
     return buf if got == length else bytes(view[:got])
 
 
-def _fill(fd: int, view: memoryview, got: int, offset: int) -> int:
+def pread_into(fd: int, view: memoryview, offset: int, got: int = 0) -> int:
     """Read into ``view`` from its byte ``got`` on (file offset ``offset`` + ``got``) until
     it is full or the file ends; the bytes it then holds."""
     while got < len(view):

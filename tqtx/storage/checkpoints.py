@@ -35,6 +35,7 @@ from ..errors import CheckpointBusyError, DumpFormatError
 from ..wire.columns import unpack_int64
 from ..wire.values import row_nbytes
 from .logdir import read_rows
+from .rows import own_sparse_views
 
 # Staged loads kept at once: concurrent load_checkpoint calls each stage their own (the
 # controller then switches the units to one after the other). Each holds a copy of the
@@ -123,6 +124,7 @@ class StagedLoad:
     load_id: str
     rows: dict[int, dict] = field(default_factory=dict)
     nbytes: int = 0
+    shared: bool = False  # some rows are views of a buffer they share (row log files)
     state: str = st.READING
     staged_at: float = 0.0  # time.monotonic() when staged
 
@@ -255,7 +257,7 @@ class UnitCheckpoints:
             raise RuntimeError(f"unit {unit.unit_id} has no staged checkpoint {switch.load_id}")
         load.move(st.APPLIED)
         unit.replace_rows(load.rows, {idx: switch.gen_base + idx for idx in load.rows},
-                          load.nbytes)
+                          load.nbytes, shared=load.shared)
         self.applied = switch.load_id
         unit.restore.drop_all()
         return {"rows": len(load.rows)}
@@ -294,3 +296,6 @@ def _read_log(request: LoadRequest, load: StagedLoad) -> None:
         row = rows[idx]
         load.rows[idx] = row
         load.nbytes += row_nbytes(row)
+    # the kept rows are views of the files' buffers: copy them out of mostly dead ones here,
+    # in the I/O thread, rather than in the loop when the unit switches
+    load.shared = own_sparse_views(load.rows)[1] > 0

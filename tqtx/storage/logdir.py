@@ -18,7 +18,7 @@ import filelock
 from .. import fsutil
 from ..errors import DumpFormatError
 from ..format import rowlog as fl
-from .rows import drop_from, own_sparse_views, store_into
+from .rows import drop_from, store_into
 
 log = logging.getLogger("tqtx.unit")
 
@@ -159,7 +159,6 @@ def read_rows(paths: list[str]) -> tuple[dict[int, dict], dict[int, int]]:
 
     replay_files(paths, lambda i, g, v: store_into(rows, gens, i, g, v),
                  lambda i, g: drop_from(rows, gens, i, g), reset, strict=True)
-    own_sparse_views(rows)   # (a load's staged rows: nothing has dropped any of them yet)
     return rows, gens
 
 
@@ -168,20 +167,14 @@ def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:
 
     The file is read whole into one buffer (a sequential read at the disk's pace, the
     kernel copying into fresh memory), and the rows' tensor values are views of it: no
-    second copy. :func:`~tqtx.storage.rows.own_sparse_views` later copies the values out of
-    a buffer that holds mostly dead entries, so it can go."""
+    second copy. The caller copies the values out of a buffer that holds mostly dead
+    entries (:func:`~tqtx.storage.rows.own_sparse_views`), so it can go."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return 0, 0, 0
-        buf = fsutil.fresh_buffer(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
+        view = memoryview(fsutil.fresh_buffer(size))
+        got = fsutil.pread_into(f.fileno(), view, 0)
         try:
             entries = 0
             reader = fl.EntryReader(view, got)

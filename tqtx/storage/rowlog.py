@@ -4,10 +4,11 @@ when the unit starts again on the same data directory.
 The files and entries are :mod:`tqtx.format.rowlog`'s: segments of entries (a row stored, rows
 dropped, every row replaced) in the order the unit applied them; a base (every live row when
 a segment was opened, written by earlier releases' compaction) is still read first. Replay
-reads the newest base, then the segments from its number on. A torn entry at the end of a file (a crash in the middle of a write) ends that file; so
-does a bad entry elsewhere, which is logged: the controller then names the rows it misses
-lost when the unit registers. The (index, generation) pair names the key incarnation: the
-controller reconciles by it and drops rows no committed put accounts for.
+reads the newest base, then the segments from its number on. A torn entry at the end of a
+file (a crash in the middle of a write) ends that file; so does a bad entry elsewhere, which
+is logged: the controller then names the rows it misses lost when the unit registers. The
+(index, generation) pair names the key incarnation: the controller reconciles by it and
+drops rows no committed put accounts for.
 
 The request loop only queues what a request changed (rows are never changed in place once
 stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
@@ -261,13 +262,13 @@ class RowLog:
             faults.hit("unit.rowlog.compact.before_relog")
         except Exception as exc:  # noqa: BLE001 - the file stays; the writer is told
             log.error("row log %s: compaction failed: %r", self.dir, exc)
-            batch, key = [], _Compacted(key, failed=True)
+            batch, marker = [], _Compacted(key, failed=True)
         else:
-            key = _Compacted(key)
+            marker = _Compacted(key)
         with self._cond:
             if batch:
                 self._queue.append(batch)
-            self._queue.append(key)
+            self._queue.append(marker)
             self._wake = True
             self._cond.notify()
 
@@ -406,8 +407,8 @@ class RowLog:
         (one file at a time; writer thread)."""
         files = self._files
         while not self._compacting:
-            if files.live_disk(self._disk) <= max(COMPACT_RATIO * self.live_bytes() + COMPACT_SLACK,
-                                                  self._failed_at + COMPACT_SLACK):
+            due_above = max(COMPACT_RATIO * self.live_bytes(), self._failed_at) + COMPACT_SLACK
+            if files.live_disk(self._disk) <= due_above:
                 return
             oldest = files.oldest((self._number, 1))
             if oldest is None:

@@ -318,11 +318,13 @@ class StorageUnit:
             self._views_checked_at = self.bytes_held if shared else None
         return {"dropped": n}
 
-    def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int) -> None:
+    def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int, *,
+                     shared: bool = False) -> None:
         """Make ``rows`` (of generations ``gens``, ``nbytes`` value bytes) the unit's rows
-        (a checkpoint switch); the row log records the reset and every new row."""
+        (a checkpoint switch); the row log records the reset and every new row. ``shared``:
+        some rows are views of buffers they share (a checkpoint's row log files), watched
+        as drops go (see drop_rows)."""
         self.rows, self.gens, self.bytes_held = rows, gens, nbytes
-        shared = own_sparse_views(rows)[1]   # rows of a checkpoint's row log files
         self._views_checked_at = nbytes if shared else None
         rowlog = self.rowlog
         if rowlog is not None:
