@@ -31,7 +31,7 @@ def tables(path) -> set[str]:
 def test_layout():
     root = migrations_dir()
     assert (root / "env.py").is_file() and (root / "script.py.mako").is_file()
-    assert head_revision("controller") == "c0006"
+    assert head_revision("controller") == "c0007"
     assert head_revision("dump") == "d0002"
 
 
@@ -75,7 +75,7 @@ def test_controller_upgrade_preserves_rows(tmp_path):
     con.close()
 
     with ControllerJournal(state) as j:
-        assert j.revision() == "c0006"
+        assert j.revision() == "c0007"
         r = j.get_restore("r1")
         assert {k: r[k] for k in ("partition_id", "dump_dir", "dump_id", "incarnation_id",
                                   "state", "keys", "rows", "bytes")} == {

@@ -2,8 +2,8 @@
 linearizability (see checker.py for the model and workload.py for the clients).
 
 Quick tier: ~10 s of 5 clients against 2 units. Slow tier: >= 2 minutes with unit and
-controller kills, and 120 s of whole-job kills with durability sync (without restores,
-strict; with restores, a known bug's non-strict expected failure). Each asserts no
+controller kills, and 120 s of whole-job kills with durability sync (without restores and
+with them). Each asserts no
 violation, no bare KeyError reaching a caller, and a minimum of successful ops of every kind
 (so none can pass without having tested anything).
 """
@@ -95,9 +95,7 @@ def test_history_with_whole_job_kills_under_sync_is_linearizable(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug (docs/reliability.md, The row log, Known limit): a restore whose commit is "
-    "decided is rolled forward again after a whole-job restart on units that had applied "
-    "it and replayed their row logs, over puts acknowledged in between"))
 def test_history_with_whole_job_kills_and_restores_under_sync_is_linearizable(tmp_path):
+    """As above, with restores: a restore or checkpoint load decided before a kill is rolled
+    forward once, never again over the writes acknowledged after it."""
     _whole_job_run(tmp_path, restores=True)

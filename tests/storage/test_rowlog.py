@@ -471,3 +471,41 @@ def test_drops_after_a_replay_let_a_mostly_dead_file_buffer_go(tmp_path):
         assert again._views_checked_at is None   # nothing shared any more: no more passes
     finally:
         _close(again)
+
+
+def test_applied_restores_and_checkpoint_loads_are_remembered_after_a_reopen_and_compaction(
+        tmp_path, monkeypatch):
+    """A unit that applied a restore or switched to a checkpoint load still knows it once
+    replayed, also after the files holding those marks were compacted: a roll-forward
+    after a restart (REDO_RESTORE, a controller's checkpoint switch) is answered as done,
+    never applied again over later writes."""
+    from tqtx.storage.checkpoints import CheckpointSwitch, StagedLoad
+    from tqtx import states as st
+    monkeypatch.setattr(rl, "COMPACT_SLACK", 16 << 10)
+    unit = _unit(tmp_path)
+    unit.rowlog.segment_bytes = 16 << 10
+    unit.restore.staging["r1"] = {3: (30, {"a": _tensor(3, 512)})}
+    assert unit.server.handlers["APPLY_STAGED"][0]({"restore_id": "r1"}, None) == {"rows": 1}
+    load = StagedLoad("ck1", rows={5: {"a": _tensor(5, 512)}}, nbytes=2048)
+    load.move(st.STAGED)
+    unit.checkpoints.staged["ck1"] = load
+    unit.checkpoints.switch(CheckpointSwitch("ck1", 100))
+    unit.write_log()
+    _loop_turn(unit)
+    for rnd in range(30):   # churn on other indexes: the marks' file becomes the oldest
+        _put(unit, [[10 + i, {"a": _tensor(rnd + i, 512)}] for i in range(4)], [200 + rnd] * 4)
+        _drop(unit, [10 + i for i in range(4)], [200 + rnd] * 4)
+    unit.rowlog.flush()
+    _settle(unit, lambda: _compacted(unit))
+    assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
+    want = _state(unit)
+    _close(unit)
+    again = _unit(tmp_path)
+    try:
+        assert _state(again) == want and sorted(want) == [5]
+        assert again.checkpoints.applied == "ck1"
+        assert again.checkpoints.switch(CheckpointSwitch("ck1", 100)) == {"rows": 1}
+        redo = again.server.handlers["REDO_RESTORE"][0]({"restore_id": "r1"}, None)
+        assert redo == {"rows": 1, "applied": True}
+    finally:
+        _close(again)

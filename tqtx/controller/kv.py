@@ -21,7 +21,8 @@ from typing import Callable, Protocol
 from .. import faults
 from .. import states as st
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError
-from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, MetaChange, MetaJournal
+from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLAN, MetaChange,
+                            MetaJournal)
 from ..journal.controller import ControllerJournal
 from ..wire import codec
 from ..wire.columns import pack_int64
@@ -114,6 +115,9 @@ class KVRequests:
         self.held_tags = HeldTags()
         # a load_checkpoint whose switch is open: (load ID, its rows' generation base)
         self.checkpoint_load: tuple[str, int] | None = None
+        # and each unit's LOAD_CHECKPOINT body of it: a unit that restarted before it
+        # switched reads its rows again (None: the client sent none)
+        self.checkpoint_plan: dict[int, dict] | None = None
         self.replace_epoch = 0  # buffer replacements (checkpoint loads, ends) so far
 
     def journal_meta(self, op: str, change: MetaChange) -> None:
@@ -359,24 +363,30 @@ class KVRequests:
 
         The checkpoint's rows get generations of this controller: the row at index ``i``
         takes ``gen_base + i``, here and on its unit (APPLY_CHECKPOINT carries the base).
-        The journaled metadata, with a ``checkpoint_load`` marker, is the decision; then the
+        The journaled metadata, with a ``checkpoint_load`` marker and the units' read plan
+        (``unit_loads``: ``[[unit, LOAD_CHECKPOINT body], ...]``), is the decision; then the
         units switch (APPLY_CHECKPOINT) and the marker goes. A controller restarted in
         between finds the marker and rolls the switch forward as units re-register
-        (:meth:`Controller.register_unit`)."""
+        (:meth:`Controller.register_unit`); a unit that restarted too, and so holds the load
+        neither staged nor applied, reads its rows again by the plan."""
         self.restores.refuse("load_checkpoint")
         self.require_units("load_checkpoint")
         snap, load_id = body["metadata"], body.get("load_id")
         gen_base = self.meta.take_gens(self.meta.gen_span(snap))
         change = self.meta.plan_replace(snap, gen_base)
+        plan = None
         if load_id:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
+            if body.get("unit_loads"):
+                plan = {int(u): load for u, load in body["unit_loads"]}
+                change.blobs = {CHECKPOINT_PLAN: codec.packb(body["unit_loads"])}
         if load_id:
             st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
         self.journal_meta("checkpoint_replace", change)
         self.meta.replace(snap, gen_base)
         self.replace_epoch += 1
         if load_id:
-            self.checkpoint_load = (load_id, gen_base)
+            self.checkpoint_load, self.checkpoint_plan = (load_id, gen_base), plan
             self._switch_units()
         faults.hit("controller.meta.checkpoint_replace.before_reply")
         return {"ok": True}
@@ -403,8 +413,9 @@ class KVRequests:
         st.check(st.CHECKPOINT_LOAD, st.DECIDED, st.SWITCHED,
                  subject=f"checkpoint load {self.checkpoint_load[0]}")
         self.journal_meta("checkpoint_replace", MetaChange(
-            markers={CHECKPOINT_LOAD: None, CHECKPOINT_GEN_BASE: None}))
-        self.checkpoint_load = None
+            markers={CHECKPOINT_LOAD: None, CHECKPOINT_GEN_BASE: None},
+            blobs={CHECKPOINT_PLAN: None}))
+        self.checkpoint_load = self.checkpoint_plan = None
 
     # ---------------------------------------------------------------- end of the buffer
     def end_buffer(self, body, req):

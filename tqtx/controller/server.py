@@ -186,6 +186,9 @@ class Controller:
             if ck.get("applied") != load_id:
                 if load_id in (ck.get("staged") or ()):
                     return self._switch_first(uid)
+                plan = (self.kv.checkpoint_plan or {}).get(uid)
+                if plan is not None and ck.get("failed") != load_id:
+                    return self._switch_first(uid, stage=plan)
                 stale = True
         t0 = time.perf_counter()
         drop, lost = self._reconcile(uid, _EMPTY_HELD if stale else held)
@@ -223,15 +226,22 @@ class Controller:
                                      detail=detail[:2000])
         log.warning("unit %d: %s", uid, detail)
 
-    def _switch_first(self, uid: int) -> dict:
+    def _switch_first(self, uid: int, stage: dict | None = None) -> dict:
         """The reply to a unit registering while a checkpoint switch is open (the controller
-        restarted after deciding it) that staged the checkpoint but has not switched: switch,
-        then report again. A unit with neither (it restarted) is reconciled as empty, and the
-        rows it still holds, from before the checkpoint, are dropped (register_unit)."""
+        restarted after deciding it, or the unit missed the switch) that has not switched:
+        switch, then report again. A unit that holds the load neither staged nor applied (it
+        restarted) first reads its rows again by the decision's plan (``stage``, its
+        LOAD_CHECKPOINT body). Without a plan, or if that read failed, it is reconciled as
+        empty, and the rows it still holds, from before the checkpoint, are dropped
+        (register_unit)."""
         load_id, gen_base = self.kv.checkpoint_load
-        log.info("unit %d: switching to checkpoint load %s before it reports", uid, load_id)
-        return {"incarnation": self.incarnation, "drop": [], "drop_staged": [],
-                "apply_checkpoint": load_id, "gen_base": gen_base}
+        log.info("unit %d: switching to checkpoint load %s before it reports%s", uid, load_id,
+                 " (reading its rows again first)" if stage is not None else "")
+        reply = {"incarnation": self.incarnation, "drop": [], "drop_staged": [],
+                 "apply_checkpoint": load_id, "gen_base": gen_base}
+        if stage is not None:
+            reply["stage_checkpoint"] = stage
+        return reply
 
     def _require_units(self, what: str) -> None:
         """ControllerRecoveringError while a replayed buffer waits for units to re-register.

@@ -19,7 +19,8 @@ from ..errors import DumpFormatError
 from ..durability import LOGGED
 from ..journal.controller import ControllerJournal
 from ..journal.dump import DumpJournal
-from ..journal.meta import CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, ROW_LOG_UNITS, MetaChange
+from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLAN, ROW_LOG_UNITS,
+                            MetaChange)
 from ..paths import find_dump_journal
 from ..plan import RestorePlan
 from ..wire import codec
@@ -41,6 +42,9 @@ def replay(ctl) -> list[dict]:
     _check_row_log_units(ctl, markers, snap)
     if markers.get(CHECKPOINT_LOAD):
         ctl.kv.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))
+        plan = (snap.get("blobs") or {}).get(CHECKPOINT_PLAN)
+        if plan is not None:
+            ctl.kv.checkpoint_plan = {int(u): load for u, load in codec.unpackb(plan)}
     keys = sum(len(p["rows"]) for p in snap["partitions"].values())
     if keys:
         log.warning("startup: replayed %d keys in %d partitions (%d lost rows) from the journal "

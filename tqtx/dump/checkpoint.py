@@ -15,7 +15,8 @@ import time
 from .. import faults, fsutil, paths, routing
 from .. import format as fmt
 from ..publish import Publication, check_publish_target, dump_lock, recover_publications
-from ..errors import CheckpointBusyError, DumpFormatError, DumpNotFoundError, TqtxError
+from ..errors import (CheckpointBusyError, ControllerRecoveringError, DumpFormatError,
+                      DumpNotFoundError, RestorePendingError, TqtxError)
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
 from ..journal.dump import DumpJournal
 from ..arguments import check_snapshot_names
@@ -253,9 +254,18 @@ def load(client, ckpt_dir: str) -> dict:
         # The controller refuses while a restore is unresolved, before any unit is touched.
         client.controller.call("CHECKPOINT_SNAPSHOT", {})
         load_id = _stage_everywhere(client, per_unit)
-        # The controller journals the checkpoint's metadata (the decision), then switches
-        # every unit to its staged rows: a crash in between is rolled forward at restart.
-        client.controller.call("CHECKPOINT_REPLACE", {"metadata": meta, "load_id": load_id})
+        # The controller journals the checkpoint's metadata and the units' read plan (the
+        # decision), then switches every unit to its staged rows: a crash in between is
+        # rolled forward at restart, a unit that restarted meanwhile reading its rows again.
+        try:
+            client.controller.call("CHECKPOINT_REPLACE", {
+                "metadata": meta, "load_id": load_id,
+                "unit_loads": [[u, body] for u, body in per_unit.items()]})
+        except (RestorePendingError, ControllerRecoveringError):
+            # refused before any decision: the staged rows go now, rather than hold the
+            # units' staging slots (CheckpointBusyError for other loads) until they are stale
+            _drop_staged(client, per_unit, load_id)
+            raise
     return {"dir": ckpt_dir, "metadata": saved["user_metadata"],
             "storage_saved": saved["storage_saved"], "seconds": time.perf_counter() - t0,
             "keys": sum(len(p["rows"]) for p in meta["partitions"].values())}
@@ -275,12 +285,18 @@ def _stage_everywhere(client, per_unit: dict) -> str:
             client.fan_out("LOAD_CHECKPOINT", per_unit)
             return load_id
         except BaseException as exc:
-            call_many([(client.unit(u), "DROP_CHECKPOINT", {"load_id": load_id})
-                       for u in per_unit], raise_first=False, timeout=30)
+            _drop_staged(client, per_unit, load_id)
             attempt += 1
             if not isinstance(exc, CheckpointBusyError) or attempt == FENCE_ATTEMPTS:
                 raise
         fence_pause(attempt)
+
+
+def _drop_staged(client, per_unit: dict, load_id: str) -> None:
+    """DROP_CHECKPOINT of ``load_id`` on every unit of ``per_unit`` (failures ignored: a
+    unit that missed it drops the load once it is stale)."""
+    call_many([(client.unit(u), "DROP_CHECKPOINT", {"load_id": load_id}) for u in per_unit],
+              raise_first=False, timeout=30)
 
 
 def _log_load(ckpt_dir: str, mpath: str, entry: dict, keep: dict) -> dict:

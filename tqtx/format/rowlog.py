@@ -14,6 +14,10 @@ with ``crc`` the CRC-32C of the body:
            older one)
 ``DROP``   msgpack ``[[index, ...], [generation, ...]]``: those rows were dropped
 ``RESET``  empty: every row went (a checkpoint's rows follow as ``ROW`` entries)
+``MARK``   msgpack ``[what, id, rows]``: the unit applied restore ``id`` (``what`` is
+           ``"restore"``) or switched to checkpoint load ``id`` (``"checkpoint"``), of
+           ``rows`` rows, after the entries before it; replayed, a unit still knows it did
+           (a roll-forward after a restart does not apply it again over later writes)
 
 A file is read entry by entry up to the first one that is cut short or does not match its
 CRC: a crash in the middle of a write leaves such a tail, and nothing after it is trusted.
@@ -26,7 +30,9 @@ import struct
 from tqtx.format.records import RecordEncoder, checksum, decode_record, encode_record_parts
 from tqtx.wire import codec
 
-ROW, DROP, RESET = 1, 2, 3
+ROW, DROP, RESET, MARK = 1, 2, 3, 4
+KINDS = (ROW, DROP, RESET, MARK)
+MARK_RESTORE, MARK_CHECKPOINT = "restore", "checkpoint"
 ENTRY = struct.Struct("<4sBqqII")
 MAGIC = b"TQLE"
 SEGMENT, BASE = "seg", "base"
@@ -79,6 +85,13 @@ def encode_reset() -> tuple[list, int]:
     return [ENTRY.pack(MAGIC, RESET, 0, 0, 0, checksum(b""))], ENTRY.size
 
 
+def encode_mark(what: str, ident: str, rows: int) -> tuple[list, int]:
+    """``(buffers, size)`` of the ``MARK`` entry of an applied restore or checkpoint load."""
+    body = codec.packb([what, ident, int(rows)])
+    return [ENTRY.pack(MAGIC, MARK, 0, 0, len(body), checksum(body)), body], \
+        ENTRY.size + len(body)
+
+
 class EntryReader:
     """The whole entries of a file's bytes ``view`` (``size`` of them), in order:
     iterate for ``(kind, index, generation, body)``; ``end`` is then the offset after the
@@ -93,7 +106,7 @@ class EntryReader:
         while pos + head <= size:
             magic, kind, idx, gen, length, crc = ENTRY.unpack_from(view, pos)
             end = pos + head + length
-            if magic != MAGIC or kind not in (ROW, DROP, RESET) or end > size:
+            if magic != MAGIC or kind not in KINDS or end > size:
                 break
             body = view[pos + head:end]
             if checksum(body) != crc:
@@ -113,3 +126,11 @@ def decode_drop(body) -> tuple[list[int], list[int]]:
     """The indexes and generations of a ``DROP`` entry's body."""
     indexes, gens = codec.unpackb(bytes(body))
     return indexes, gens
+
+
+def decode_mark(body) -> tuple[str, str, int]:
+    """``(what, id, rows)`` of a ``MARK`` entry's body."""
+    what, ident, rows = codec.unpackb(bytes(body))
+    if what not in (MARK_RESTORE, MARK_CHECKPOINT):
+        raise ValueError(f"row log mark of unknown kind {what!r}")
+    return what, ident, int(rows)

@@ -58,6 +58,9 @@ _SET_MARKER = ("INSERT INTO meta_markers (name, value) VALUES (?, ?) "
 _NEXT_INDEX = "next_index"
 CHECKPOINT_LOAD = "checkpoint_load"  # marker: a load_checkpoint decided, units switching
 CHECKPOINT_GEN_BASE = "checkpoint_gen_base"  # marker: that load's rows' generation base
+CHECKPOINT_PLAN = "checkpoint_plan"  # blob: that load's read plan per unit (msgpack)
+_SET_BLOB = ("INSERT INTO meta_blobs (name, value) VALUES (?, ?) "
+             "ON CONFLICT (name) DO UPDATE SET value = excluded.value")
 ROW_LOG_UNITS = "row_log_units"  # marker: the units logged their rows; how many there were
 # Replies of mutating requests kept in meta_requests: a resent copy comes within the
 # client's reconnect timeout, so the newest few thousand are plenty.
@@ -92,11 +95,13 @@ class MetaChange:
     next_index: int | None = None
     replace: bool = False
     markers: dict = field(default_factory=dict)  # name -> value (None: remove)
+    blobs: dict = field(default_factory=dict)    # name -> bytes (None: remove)
     answered: tuple[str, bytes] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.deleted or self.schemas or self.dropped or self.replace
-                    or self.next_index is not None or self.markers or self.answered)
+                    or self.next_index is not None or self.markers or self.blobs
+                    or self.answered)
 
 
 _EMPTY_TAG = codec.packb({})
@@ -106,7 +111,7 @@ def apply_change(executemany: Callable[[str, Iterable], object], change: MetaCha
     """Run the statements of ``change`` through ``executemany(sql, params)`` (inside the
     caller's transaction: the controller's own one, or a restore's finish)."""
     if change.replace:
-        for table in ("meta_keys", "meta_schemas", "meta_counters"):
+        for table in ("meta_keys", "meta_schemas", "meta_counters", "meta_blobs"):
             executemany(f"DELETE FROM {table}", [()])
         # the deployment's row log unit count outlives a replaced buffer
         executemany("DELETE FROM meta_markers WHERE name != ?", [(ROW_LOG_UNITS,)])
@@ -126,6 +131,11 @@ def apply_change(executemany: Callable[[str, Iterable], object], change: MetaCha
             executemany("DELETE FROM meta_markers WHERE name = ?", [(name,)])
         else:
             executemany(_SET_MARKER, [(name, str(value))])
+    for name, value in change.blobs.items():
+        if value is None:
+            executemany("DELETE FROM meta_blobs WHERE name = ?", [(name,)])
+        else:
+            executemany(_SET_BLOB, [(name, bytes(value))])
 
 
 @lru_cache(maxsize=32)
@@ -298,11 +308,12 @@ class MetaJournal:
     def load(self) -> dict:
         """The stored metadata: ``{"next_index", "partitions": {pid: {"schema": {field:
         schema}, "rows": [[key, global_index, fields, tag, lost_unit, gen], ...]}},
-        "markers", "answered"}`` (``gen`` None in rows written before migration c0004;
+        "markers", "blobs", "answered"}`` (``gen`` None in rows written before migration c0004;
         ``answered``: ``[(request ID, msgpack of the reply)]``, oldest first)."""
         parts: dict[str, dict] = {}
         if not self.enabled:
-            return {"next_index": 0, "partitions": parts, "markers": {}, "answered": []}
+            return {"next_index": 0, "partitions": parts, "markers": {}, "blobs": {},
+                    "answered": []}
         db, loads, unpackb = self._db, json.loads, codec.unpackb
         field_sets: dict[str, list] = {}  # rows share a handful of field lists: decode once
         # and of tags: rows with equal tags share one dict (the metadata replaces a key's
@@ -335,9 +346,10 @@ class MetaJournal:
         row = db.execute("SELECT value FROM meta_counters WHERE name = ?",
                          (_NEXT_INDEX,)).fetchone()
         markers = dict(db.execute("SELECT name, value FROM meta_markers"))
+        blobs = dict(db.execute("SELECT name, value FROM meta_blobs"))
         answered = db.execute("SELECT request_id, reply FROM meta_requests ORDER BY seq").fetchall()
         return {"next_index": int(row[0]) if row else 0, "partitions": parts,
-                "markers": markers, "answered": answered}
+                "markers": markers, "blobs": blobs, "answered": answered}
 
     def close(self) -> None:
         self._pooled.close()

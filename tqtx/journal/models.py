@@ -208,6 +208,15 @@ class MetaMarker(ControllerBase):
     value: Mapped[str] = mapped_column(Text)  # e.g. checkpoint_load: the load being switched to
 
 
+class MetaBlob(ControllerBase):
+    """A binary value decided with the metadata (e.g. checkpoint_plan: the read plan of the
+    load being switched to, per unit)."""
+    __tablename__ = "meta_blobs"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class MetaRequest(ControllerBase):
     """The reply to a recent mutating metadata request (CLEAR, COMMIT_PUT), written in the transaction
     of its change, so a controller that replaced the one that acted answers a resent copy

@@ -103,7 +103,8 @@ class UnitAttachment:
                     "attached": self.incarnation is not None,
                     "held": held_report(snapshot, gens), "staged": staged,
                     "checkpoint": {"applied": unit.checkpoints.applied,
-                                   "staged": list(unit.checkpoints.staged)}}
+                                   "staged": list(unit.checkpoints.staged),
+                                   "failed": unit.checkpoints.failed}}
             if unit.replayed is not None:  # the first registration after a replayed row log
                 body["replayed"] = unit.replayed
             snapshot = gens = None
@@ -114,10 +115,15 @@ class UnitAttachment:
         self.incarnation = reply.get("incarnation")
         unit.replayed = None
         if reply.get("apply_checkpoint"):
-            # a restarted controller rolls a decided checkpoint load forward: switch, then
-            # report again (the next heartbeat registers: -1 matches no incarnation)
+            # a restarted controller rolls a decided checkpoint load forward: switch (after
+            # reading the rows again, if this unit restarted before it switched), then report
+            # again (the next heartbeat registers: -1 matches no incarnation)
             switch = CheckpointSwitch(reply["apply_checkpoint"], int(reply["gen_base"]))
             self.incarnation = -1
+            if reply.get("stage_checkpoint") is not None and \
+                    not unit.checkpoints.stage_again(reply["stage_checkpoint"]):
+                unit.server.call_soon(lambda: self._unwatch(written))
+                return reply
             unit.server.call_soon(lambda: (self._unwatch(written),
                                            unit.checkpoints.switch(switch),
                                            unit.write_log()))

@@ -22,6 +22,7 @@ abandoned or pushed out by newer staged loads):
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,8 @@ STAGED_LOADS = 2
 STALE_AFTER = 60.0
 
 BATCH = 128  # records per read batch
+
+log = logging.getLogger("tqtx.unit")
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class UnitCheckpoints:
         self.unit = unit
         self.staged: OrderedDict[str, StagedLoad] = OrderedDict()
         self.applied: str | None = None
+        self.failed: str | None = None  # the load a roll-forward could not read again
         self._lock = threading.Lock()  # staging runs in I/O threads, switching in the loop
 
     # ---------------------------------------------------------------- save
@@ -220,6 +224,30 @@ class UnitCheckpoints:
         unit.pool.submit(work)
         return deferred
 
+    def stage_again(self, body: dict) -> bool:
+        """A roll-forward of a decided load this unit holds neither staged nor applied (it
+        restarted): read and stage it now, by the decision's plan (``body``, its
+        LOAD_CHECKPOINT body; the registering thread waits). False, and the load noted
+        ``failed`` (the controller then names its rows lost), if that read fails."""
+        request = LoadRequest.from_wire(body)
+        load = StagedLoad(request.load_id)
+        t0 = time.monotonic()
+        try:
+            try:
+                _read(request, load)
+            except BaseException:
+                load.move(st.FAILED)
+                raise
+            self._stage(load)
+        except Exception as exc:  # noqa: BLE001 - named in the log, reported as failed
+            log.error("unit %d: checkpoint load %s cannot be read again: %s",
+                      self.unit.unit_id, request.load_id, exc)
+            self.failed = request.load_id
+            return False
+        log.info("unit %d: read checkpoint load %s again (%d rows) in %.3fs",
+                 self.unit.unit_id, request.load_id, len(load.rows), time.monotonic() - t0)
+        return True
+
     def _stage(self, load: StagedLoad) -> None:
         """Keep ``load`` (replacing an earlier one of its ID) within :data:`STAGED_LOADS`:
         the oldest makes room if it is stale, else ``load`` is refused (see STALE_AFTER)."""
@@ -259,6 +287,8 @@ class UnitCheckpoints:
         unit.replace_rows(load.rows, {idx: switch.gen_base + idx for idx in load.rows},
                           load.nbytes, shared=load.shared)
         self.applied = switch.load_id
+        if unit.rowlog is not None:  # replayed, the unit still knows it switched
+            unit.rowlog.applied_checkpoint(switch.load_id, len(load.rows))
         unit.restore.drop_all()
         return {"rows": len(load.rows)}
 

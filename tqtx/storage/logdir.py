@@ -62,10 +62,12 @@ class LogDir:
     def replay(self, store: Callable[[int, int, dict], object],
                drop: Callable[[int, int], object],
                reset: Callable[[], object], *,
+               mark: Callable[[str, str, int], object] | None = None,
                on_file: Callable[[str, int, int], object] | None = None
                ) -> tuple[dict, int, int]:
-        """Apply the log through ``store(index, gen, values)``, ``drop(index, gen)`` and
-        ``reset()`` (``on_file(kind, number, size)`` before each file's entries). Returns
+        """Apply the log through ``store(index, gen, values)``, ``drop(index, gen)``,
+        ``reset()`` and ``mark(what, id, rows)`` (``on_file(kind, number, size)`` before
+        each file's entries). Returns
         ``(stats, highest file number, bytes of the files replayed)``, stats
         ``{"entries", "bytes", "files", "seconds", "torn"}``."""
         t0 = time.perf_counter()
@@ -77,7 +79,7 @@ class LogDir:
         starts = None if on_file is None else \
             (lambda i, size: on_file(order[i][0], order[i][1], size))
         stats.update(replay_files([self.path(k, n) for k, n in order], store, drop, reset,
-                                  on_file=starts))
+                                  mark=mark, on_file=starts))
         for kind, n in files:
             if (kind, n) not in order:
                 self.remove(self.path(kind, n))
@@ -121,10 +123,11 @@ def row_log_options(unit_id: int, state_dir: str | None) -> dict:
             "flush_interval": interval}
 
 
-def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False,
+def replay_files(paths: list[str], store, drop, reset, *, mark=None, strict: bool = False,
                  on_file=None) -> dict:
     """Apply the entries of ``paths``, in order, through ``store(index, gen, values)``,
-    ``drop(index, gen)`` and ``reset()`` (``on_file(position, size)`` before each file's):
+    ``drop(index, gen)``, ``reset()`` and ``mark(what, id, rows)`` (marks are skipped
+    without it; ``on_file(position, size)`` before each file's):
     ``{"entries", "bytes", "torn"}``. A file whose end is not a whole entry is replayed up
     to it and logged (``torn``), or with ``strict`` (a checkpoint's files, which were
     complete when saved) DumpFormatError."""
@@ -132,7 +135,7 @@ def replay_files(paths: list[str], store, drop, reset, *, strict: bool = False,
     for pos, path in enumerate(paths):
         if on_file is not None:
             on_file(pos, os.path.getsize(path))
-        entries, good, size = _replay_file(path, store, drop, reset)
+        entries, good, size = _replay_file(path, store, drop, reset, mark)
         stats["entries"] += entries
         stats["bytes"] += good
         if good != size:
@@ -162,7 +165,7 @@ def read_rows(paths: list[str]) -> tuple[dict[int, dict], dict[int, int]]:
     return rows, gens
 
 
-def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:
+def _replay_file(path: str, store, drop, reset, mark) -> tuple[int, int, int]:
     """``(entries applied, bytes of whole entries, file size)`` of one file.
 
     The file is read whole into one buffer (a sequential read at the disk's pace, the
@@ -179,14 +182,14 @@ def _replay_file(path: str, store, drop, reset) -> tuple[int, int, int]:
             entries = 0
             reader = fl.EntryReader(view, got)
             for entry in reader:
-                _apply(entry, f"{path} at {reader.end}", store, drop, reset)
+                _apply(entry, f"{path} at {reader.end}", store, drop, reset, mark)
                 entries += 1
             return entries, reader.end, size
         finally:
             view.release()
 
 
-def _apply(entry, where: str, store, drop, reset) -> None:
+def _apply(entry, where: str, store, drop, reset, mark) -> None:
     """Apply one entry (tensor values stay views of the file's buffer)."""
     kind, idx, gen, body = entry
     if kind == fl.ROW:
@@ -194,5 +197,10 @@ def _apply(entry, where: str, store, drop, reset) -> None:
     elif kind == fl.DROP:
         for i, g in zip(*fl.decode_drop(body)):
             drop(i, g)
-    else:
+    elif kind == fl.RESET:
         reset()
+    elif mark is not None:
+        try:
+            mark(*fl.decode_mark(body))
+        except ValueError as exc:
+            raise DumpFormatError(f"{where}: {exc}") from None

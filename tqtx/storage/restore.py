@@ -272,6 +272,8 @@ class RestoreWorker:
         if unit.attach.write_watch:
             unit.attach.note_writes(staged)
         self.applied.record(rid, len(staged))
+        if unit.rowlog is not None:  # replayed, the unit still knows it applied it
+            unit.rowlog.applied_restore(rid, len(staged))
         faults.hit("unit.apply.after_apply")
         log.info("restore %s: unit %d applied %d rows", rid, unit.unit_id, len(staged))
         return {"rows": len(staged)}

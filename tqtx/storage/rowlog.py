@@ -2,7 +2,7 @@
 when the unit starts again on the same data directory.
 
 The files and entries are :mod:`tqtx.format.rowlog`'s: segments of entries (a row stored, rows
-dropped, every row replaced) in the order the unit applied them; a base (every live row when
+dropped, every row replaced, a restore or checkpoint load applied) in the order the unit applied them; a base (every live row when
 a segment was opened, written by earlier releases' compaction) is still read first. Replay
 reads the newest base, then the segments from its number on. A torn entry at the end of a
 file (a crash in the middle of a write) ends that file; so does a bad entry elsewhere, which
@@ -20,9 +20,10 @@ it).
 Compaction frees the oldest file, one at a time, while the files hold more than 1.2x the
 live bytes (and ``COMPACT_SLACK`` more). The writer knows in which file each live row
 began (a row's first entry of its generation; later entries of that generation merge into
-it): the loop queues the live rows that began in the oldest file again, whole, as a batch
-like any other (so the queue's order holds: a row dropped or replaced before it is not in
-it), and once that batch is fsynced the oldest file holds nothing live and is deleted.
+it): the loop queues the live rows that began in the oldest file again, whole, and the
+marks in it the unit still remembers, as a batch like any other (so the queue's order
+holds: a row dropped or replaced before it is not in it), and once that batch is fsynced
+the oldest file holds nothing live and is deleted.
 Its drops and resets go with it: they only ever concern rows of files older still, which
 went before. So the disk never holds more than one file's live rows twice; no snapshot of
 the rows is taken, and puts and gets go on meanwhile. A checkpoint queues a cut: the
@@ -105,13 +106,16 @@ class RowLog:
     ``sync``: replies wait for the fsync of what their request wrote; ``interval``: seconds
     between fsyncs otherwise; ``live_bytes()``: the bytes of the unit's live rows;
     ``rows()``: the unit's rows and their generations, ``(rows, gens)``, as they are now (a
-    checkpoint switch replaces both dicts; read on the loop only, by a compaction)."""
+    checkpoint switch replaces both dicts; read on the loop only, by a compaction);
+    ``remembers(what, id)``: whether the unit still remembers an applied restore or
+    checkpoint load (a compaction logs its mark again only then; loop only)."""
 
     def __init__(self, directory: str, *, sync: bool, interval: float,
                  live_bytes: Callable[[], int], rows: Callable[[], tuple[dict, dict]],
+                 remembers: Callable[[str, str], bool] = lambda what, ident: True,
                  segment_bytes: int | None = None):
         self.dir, self.sync, self.interval = os.fspath(directory), sync, interval
-        self.live_bytes, self._rows_now = live_bytes, rows
+        self.live_bytes, self._rows_now, self._remembers = live_bytes, rows, remembers
         self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self.files = LogDir(self.dir)
         self._files_lock = threading.Lock()
@@ -137,9 +141,10 @@ class RowLog:
 
     # ---------------------------------------------------------------- replay
     def replay(self, store: Callable[[int, int, dict], object],
-               drop: Callable[[int, int], object], reset: Callable[[], object]) -> dict:
+               drop: Callable[[int, int], object], reset: Callable[[], object],
+               mark: Callable[[str, str, int], object]) -> dict:
         """Apply the log to the unit (see :meth:`LogDir.replay`), noting where each live row
-        began, then open a new segment for what follows."""
+        began and each mark is, then open a new segment for what follows."""
         files, current = self._files, [(0, 0)]
 
         def on_file(kind: str, number: int, size: int) -> None:
@@ -160,8 +165,12 @@ class RowLog:
             files.reset()
             return reset()
 
-        stats, self._number, self._disk = self.files.replay(store_noted, drop_noted,
-                                                            reset_noted, on_file=on_file)
+        def mark_noted(what: str, ident: str, rows: int):
+            files.mark(what, ident, rows, current[0])
+            return mark(what, ident, rows)
+
+        stats, self._number, self._disk = self.files.replay(
+            store_noted, drop_noted, reset_noted, mark=mark_noted, on_file=on_file)
         self._open_segment()
         return stats
 
@@ -177,6 +186,15 @@ class RowLog:
     def reset(self) -> None:
         """Log that every row went (a checkpoint replaced them; its rows follow)."""
         self._batch.append((fl.RESET,))
+
+    def applied_restore(self, rid: str, rows: int) -> None:
+        """Log that restore ``rid`` was applied (its ``rows`` rows were logged before)."""
+        self._batch.append((fl.MARK, fl.MARK_RESTORE, rid, rows))
+
+    def applied_checkpoint(self, load_id: str, rows: int) -> None:
+        """Log that the unit switched to checkpoint load ``load_id`` (its reset and rows
+        were logged before)."""
+        self._batch.append((fl.MARK, fl.MARK_CHECKPOINT, load_id, rows))
 
     def stats(self) -> dict:
         """What STATS reports of the log: its directory and mode, its files' bytes, the
@@ -252,13 +270,15 @@ class RowLog:
                 out.append({"file": name, "size": os.path.getsize(src)})
         return out
 
-    def _relog(self, key: tuple, wanted: dict) -> None:
+    def _relog(self, key: tuple, wanted: dict, marks: list) -> None:
         """Loop thread: queue the rows of ``wanted`` (index -> generation) that are still
-        live, whole, then the marker that file ``key`` holds nothing live any more."""
+        live, whole, and the ``marks`` the unit still remembers, then the marker that file
+        ``key`` holds nothing live any more."""
         rows, gens = self._rows_now()
         try:
             batch = [(_WHOLE, idx, gen, rows[idx]) for idx, gen in wanted.items()
                      if gens.get(idx) == gen]
+            batch += [(fl.MARK, *m) for m in marks if self._remembers(m[0], m[1])]
             faults.hit("unit.rowlog.compact.before_relog")
         except Exception as exc:  # noqa: BLE001 - the file stays; the writer is told
             log.error("row log %s: compaction failed: %r", self.dir, exc)
@@ -362,6 +382,8 @@ class RowLog:
                     continue
             elif kind == fl.DROP:
                 more, n = fl.encode_drop(entry[1], entry[2])
+            elif kind == fl.MARK:
+                more, n = fl.encode_mark(entry[1], entry[2], entry[3])
             else:
                 more, n = fl.encode_reset()
             logged.append(entry)
@@ -392,6 +414,8 @@ class RowLog:
             elif kind == fl.DROP:
                 for idx, gen in zip(entry[1], entry[2]):
                     files.drop(idx, gen)
+            elif kind == fl.MARK:
+                files.mark(entry[1], entry[2], entry[3], here)
             else:
                 files.reset()
         self._size += size
@@ -417,13 +441,15 @@ class RowLog:
                 self.compactions += 1
                 continue
             self._compacting = True
-            wanted = files.live_rows_of(oldest)
-            self._call_soon(lambda: self._relog(oldest, wanted))
+            wanted, marks = files.live_rows_of(oldest), files.live_marks_of(oldest)
+            self._call_soon(lambda: self._relog(oldest, wanted, marks))
 
     def _compacted(self, marker: _Compacted) -> None:
         """The live rows of file ``marker.key`` are logged again: it goes after the next
         fsync (not before the files grew further, if that failed)."""
         self._compacting = False
+        if not marker.failed:  # its marks the unit no longer remembers were not logged again
+            self._files.forget_marks(marker.key)
         if marker.failed or not self._files.kill(marker.key):
             if not marker.failed:  # a row that could not be encoded again
                 log.error("row log %s: rows of %s could not be logged again; the file is "

@@ -1,16 +1,23 @@
 """The row log writer's view of its files, for compaction: each file's size, the file each
-live row began in, and the files that hold nothing live any more.
+live row began in, the file of each live mark, and the files that hold nothing live any more.
 
 A row *begins* in the file of its first entry of its generation; later entries of that
 generation merge into it, so all of them are needed unless the whole row is logged again
 (a compaction's entry), which makes the row begin there. A file in which no live row
 begins holds only entries that later ones replaced, dropped or reset: once everything
 written after it is fsynced it can go. (The drops and resets in it only concern rows of
-older files, which went before it.) Used by :mod:`tqtx.storage.rowlog`'s writer thread only.
+older files, which went before it.) A mark (an applied restore or checkpoint load) is live
+while a unit could be asked about it again: the last checkpoint load's, and the last
+:data:`RESTORE_MARKS` restores' (as many as a unit remembers); a compaction logs the live
+marks of a file again, with its rows. Used by :mod:`tqtx.storage.rowlog`'s writer thread only.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from ..format import rowlog as fl
+
+RESTORE_MARKS = 1024  # as many as storage.restore.AppliedRestores keeps
 
 FileKey = tuple[int, int]  # (number, 0) for a base file, (number, 1) for a segment
 
@@ -30,6 +37,9 @@ class LogFiles:
         self.sizes: dict[FileKey, int] = {}
         self._home: dict[int, tuple[int, FileKey]] = {}   # index -> (generation, file)
         self._began: dict[FileKey, set] = {}              # file -> indexes begun there
+        # the live marks: restore id -> (rows, file), oldest first; the checkpoint load's
+        self._marks: OrderedDict[str, tuple[int, FileKey]] = OrderedDict()
+        self._checkpoint: tuple[str, int, FileKey] | None = None
         self.dead: list[FileKey] = []                      # to delete after the next fsync
 
     # ---------------------------------------------------------------- entries
@@ -57,6 +67,17 @@ class LogFiles:
         self._home.clear()
         self._began.clear()
 
+    def mark(self, what: str, ident: str, rows: int, key: FileKey) -> None:
+        """A mark was logged in file ``key``: it is the live one of its ``(what, id)``; an
+        earlier checkpoint load's mark, and restore marks past RESTORE_MARKS, are not."""
+        if what == fl.MARK_CHECKPOINT:
+            self._checkpoint = (ident, rows, key)
+            return
+        marks = self._marks
+        marks[ident] = (rows, key)  # logged again by a compaction: it keeps its place
+        if len(marks) > RESTORE_MARKS:
+            marks.popitem(last=False)
+
     # ---------------------------------------------------------------- compaction
     def live_disk(self, disk: int) -> int:
         """``disk`` (the files' bytes) less the dead files'."""
@@ -71,9 +92,25 @@ class LogFiles:
         """The rows that began in ``key``: index -> generation."""
         return {idx: self._home[idx][0] for idx in self._began.get(key, ())}
 
+    def live_marks_of(self, key: FileKey) -> list[tuple[str, str, int]]:
+        """The live marks logged in ``key``: ``(what, id, rows)``, oldest first."""
+        out = [(fl.MARK_RESTORE, ident, rows) for ident, (rows, k) in self._marks.items()
+               if k == key]
+        if self._checkpoint is not None and self._checkpoint[2] == key:
+            out.append((fl.MARK_CHECKPOINT, *self._checkpoint[:2]))
+        return out
+
+    def forget_marks(self, key: FileKey) -> None:
+        """The marks still in ``key`` are not live (a compaction did not log them again)."""
+        for ident in [i for i, (_rows, k) in self._marks.items() if k == key]:
+            del self._marks[ident]
+        if self._checkpoint is not None and self._checkpoint[2] == key:
+            self._checkpoint = None
+
     def kill(self, key: FileKey) -> bool:
-        """Mark ``key`` dead if no live row begins in it; whether it is."""
-        if self._began.get(key):
+        """Mark ``key`` dead if no live row begins in it and no live mark is in it;
+        whether it is."""
+        if self._began.get(key) or self.live_marks_of(key):
             return False
         self._began.pop(key, None)
         self.dead.append(key)

@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import StaleRowsError
+from ..format.rowlog import MARK_RESTORE
 from ..placement.probe import node_name, unit_probe
 from ..wire import shm
 from ..wire.peer import Peer
@@ -119,8 +120,9 @@ class StorageUnit:
         """Open the row log, replay it into the rows, then log every change from here on."""
         rowlog = RowLog(log_dir, sync=sync, interval=interval,
                         live_bytes=lambda: self.bytes_held,
-                        rows=lambda: (self.rows, self.gens))
-        self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows)
+                        rows=lambda: (self.rows, self.gens), remembers=self._remembers)
+        self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows,
+                                      self._replay_mark)
         copied, shared = own_sparse_views(self.rows)
         self.replayed["copied_bytes"] = copied
         # while replayed rows share their files' buffers, drops can leave a buffer mostly
@@ -331,6 +333,20 @@ class StorageUnit:
             rowlog.reset()
             for idx, row in rows.items():
                 rowlog.row(idx, gens[idx], row)
+
+    def _replay_mark(self, what: str, ident: str, rows: int) -> None:
+        """Replay of a logged mark: the unit applied that restore or checkpoint load (a
+        roll-forward after the restart is answered as done, never applied again)."""
+        if what == MARK_RESTORE:
+            self.restore.applied.record(ident, rows)
+        else:
+            self.checkpoints.applied = ident
+
+    def _remembers(self, what: str, ident: str) -> bool:
+        """Whether a compaction keeps a mark: the unit still answers by it."""
+        if what == MARK_RESTORE:
+            return ident in self.restore.applied
+        return self.checkpoints.applied == ident
 
     def _drop_row(self, idx: int, gen: int) -> None:
         """Replay of a logged drop."""
