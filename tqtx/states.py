@@ -38,8 +38,10 @@ CLAIMED = "claimed"
 STAGED = "staged"
 APPLIED = "applied"
 DROPPED = "dropped"
-# recovery event action: a unit came back with the rows of its row log (tqtx.storage.rowlog)
+# recovery event actions: a unit came back with the rows of its row log (tqtx.storage.rowlog),
+# or without a log and without rows the metadata names (named lost)
 REPLAYED = "replayed"
+ROWS_LOST = "rows_lost"
 RESTORE_UNIT_ACTIONS = (CLAIM, STAGED, FAILED)
 
 # publication phases

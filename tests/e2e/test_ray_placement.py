@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import tqtx as tq  # noqa: E402
-from tqtx.errors import TqtxError  # noqa: E402
+from tqtx import api  # noqa: E402
+from tqtx.errors import RowsLostError, TqtxError  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 # The first test also starts the module's cluster; under pytest-xdist every test of this
@@ -534,3 +535,53 @@ def test_node_lost_during_a_restore_publishes_nothing(cluster, ray_tq, tmp_path,
     pids = list(info["pids"].values())
     tq.close()
     assert _wait_gone(pids, 30) == []
+
+
+def test_rows_of_a_lost_node_are_named_lost_after_a_restart(cluster, ray_tq, tmp_path):
+    """Durability buffer on Ray, one unit per storage node: a node is lost with its disk
+    (its unit's row log goes with it), then the job is killed and started again on the
+    nodes left. The rows the other units logged are back bit for bit; every key of the lost
+    node's unit is named lost (list_lost_keys, RowsLostError naming the key), none silently
+    missing, and the journal's recovery event for that unit counts them."""
+    node = cluster["cluster"].add_node(num_cpus=1, resources={"storage": 1, "victim_rows": 1},
+                                       node_ip_address=LOOPBACK)
+    node_id = next(n["NodeID"] for n in ray.nodes()
+                   if n["Alive"] and "victim_rows" in n["Resources"])
+    state, data = str(tmp_path / "state"), str(tmp_path / "rows")
+    cfg = {"num_units": 3, "unit_node_resource": "storage", "durability": "buffer",
+           "flush_interval_s": 0.2, "state_dir": state, "unit_data_dir": data}
+    info = ray_tq(**cfg)  # a unit on each storage node: n1, n2 and the victim
+    lost_unit = next(u["unit"] for u in info["unit_nodes"] if u["node_id"] == node_id)
+    keys = [f"k{i}" for i in range(24)]
+    values = torch.arange(24 * 4).reshape(24, 4)
+    tq.kv_batch_put(keys, "p", TensorDict({"x": values}, batch_size=[24]))
+    time.sleep(1.0)  # every unit's row log written and fsynced
+    cluster["cluster"].remove_node(node)     # the node, its unit and its disk are gone
+    shutil.rmtree(os.path.join(data, f"unit-{lost_unit}"))
+    api._deployment.stop(graceful=False)     # then the job dies
+    api._client.close()
+    api._client = api._deployment = api._config = None
+
+    ray_tq(**cfg)                            # started again on the nodes left
+    client = tq.get_client()
+    deadline = time.monotonic() + 90
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        assert time.monotonic() < deadline, "the units did not re-register"
+        time.sleep(0.1)
+    on_lost = {k for i, k in enumerate(keys) if i % 3 == lost_unit}
+    kept = [k for k in keys if k not in on_lost]
+    # every key is either readable (listed) or named lost: none is silently missing
+    assert set(tq.kv_list()["p"]) == set(kept) and len(on_lost) == 8
+    assert set(tq.list_lost_keys().get("p", ())) == on_lost
+    got = tq.kv_batch_get(kept, "p")["x"].tolist()
+    assert got == [values[keys.index(k)].tolist() for k in kept]
+    for k in sorted(on_lost)[:2]:
+        with pytest.raises(RowsLostError, match=k):
+            tq.kv_batch_get([k], "p")
+    out = subprocess.run([sys.executable, "-m", "tqtx", "journal", "show", "--state-dir", state,
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    events = [e for e in json.loads(out.stdout)["recovery_events"]
+              if e["kind"] == "buffer" and e["target"] == f"unit {lost_unit}"]
+    assert [e["action"] for e in events] == ["rows_lost"]
+    assert f"{len(on_lost)} rows of committed keys missing" in events[0]["detail"]

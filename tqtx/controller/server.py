@@ -195,8 +195,9 @@ class Controller:
         reconciled = time.perf_counter() - t0
         if stale and held:
             drop = [[i, g] for i, g in zip(held.get("indexes") or (), held.get("gens") or ())]
-        if body.get("replayed"):
-            self._note_replay(uid, body["replayed"], len(held.get("indexes") or ()),
+        # the units of a buffer kept in row logs say what came back, or that nothing did
+        if body.get("replayed") or (lost and self.metajournal.durability in dur.LOGGED):
+            self._note_replay(uid, body.get("replayed"), len((held or {}).get("indexes") or ()),
                               len(drop), lost, reconciled)
         self.dead_buffer.unit_reported(uid, held, body.get("attached", True))
         self.awaiting_units.discard(uid)
@@ -212,17 +213,24 @@ class Controller:
         faults.hit("controller.meta.unit_lost.before_reply")
         return {"incarnation": self.incarnation, "drop": drop, "drop_staged": drop_staged}
 
-    def _note_replay(self, uid: int, replayed: dict, rows: int, dropped: int,
+    def _note_replay(self, uid: int, replayed: dict | None, rows: int, dropped: int,
                      lost: int, reconciled: float) -> None:
-        """Journal what unit ``uid`` brought back from its row log (``tqtx journal show``)."""
-        detail = (f"{rows} rows from {replayed.get('entries')} log entries "
-                  f"({replayed.get('bytes')} bytes, {float(replayed.get('seconds', 0)):.3f}s) "
-                  f"in {replayed.get('dir')}; {dropped} dropped (no committed put names "
+        """Journal what unit ``uid`` brought back from its row log, or that it came back
+        without rows the metadata names (``tqtx journal show``)."""
+        action = st.REPLAYED
+        if replayed is None:  # no log to replay: a new data dir (its node or disk lost), or
+            replayed = {}     # a unit that restarted without one
+            action, source = st.ROWS_LOST, "no row log replayed"
+        else:
+            source = (f"{rows} rows from {replayed.get('entries')} log entries "
+                      f"({replayed.get('bytes')} bytes, "
+                      f"{float(replayed.get('seconds', 0)):.3f}s) in {replayed.get('dir')}")
+        detail = (f"{source}; {dropped} dropped (no committed put names "
                   f"them), {lost} rows of committed keys missing (named lost), "
                   f"{len(replayed.get('torn') or ())} torn file ends cut off; reconciled in "
                   f"{reconciled:.3f}s")
         self.journal.record_recovery(incarnation_id=self.incarnation, kind="buffer",
-                                     target=f"unit {uid}", action=st.REPLAYED,
+                                     target=f"unit {uid}", action=action,
                                      detail=detail[:2000])
         log.warning("unit %d: %s", uid, detail)
 
