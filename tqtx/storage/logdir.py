@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import filelock
@@ -132,13 +133,21 @@ def replay_files(paths: list[str], store, drop, reset, *, mark=None, strict: boo
     to it and logged (``torn``), or with ``strict`` (a checkpoint's files, which were
     complete when saved) DumpFormatError."""
     stats = {"entries": 0, "bytes": 0, "torn": []}
-    for pos, path in enumerate(paths):
-        if on_file is not None:
-            on_file(pos, os.path.getsize(path))
-        entries, good, size = _replay_file(path, store, drop, reset, mark)
-        stats["entries"] += entries
-        stats["bytes"] += good
-        if good != size:
+    # The next file is read (a sequential read at the disk's pace, its pages faulted in by
+    # the kernel) in a thread while this one's entries are decoded and applied.
+    with ThreadPoolExecutor(1, thread_name_prefix="tqtx-replay-read") as reader:
+        ahead = reader.submit(_read_whole, paths[0]) if paths else None
+        for pos, path in enumerate(paths):
+            read = ahead.result()
+            ahead = reader.submit(_read_whole, paths[pos + 1]) if pos + 1 < len(paths) \
+                else None
+            if on_file is not None:
+                on_file(pos, read[2])
+            entries, good, size = _apply_file(path, read, store, drop, reset, mark)
+            stats["entries"] += entries
+            stats["bytes"] += good
+            if good == size:
+                continue
             if strict:
                 raise DumpFormatError(f"{path}: the entry at offset {good} is truncated or "
                                       f"its checksum does not match")
@@ -165,28 +174,34 @@ def read_rows(paths: list[str]) -> tuple[dict[int, dict], dict[int, int]]:
     return rows, gens
 
 
-def _replay_file(path: str, store, drop, reset, mark) -> tuple[int, int, int]:
-    """``(entries applied, bytes of whole entries, file size)`` of one file.
-
-    The file is read whole into one buffer (a sequential read at the disk's pace, the
-    kernel copying into fresh memory), and the rows' tensor values are views of it: no
+def _read_whole(path: str) -> tuple[memoryview | None, int, int]:
+    """``(buffer, bytes read, file size)`` of one file, read whole into fresh memory (the
+    kernel copying at the disk's pace): the rows' tensor values become views of it, no
     second copy. The caller copies the values out of a buffer that holds mostly dead
     entries (:func:`~tqtx.storage.rows.own_sparse_views`), so it can go."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
-            return 0, 0, 0
+            return None, 0, 0
         view = memoryview(fsutil.fresh_buffer(size))
-        got = fsutil.pread_into(f.fileno(), view, 0)
-        try:
-            entries = 0
-            reader = fl.EntryReader(view, got)
-            for entry in reader:
-                _apply(entry, f"{path} at {reader.end}", store, drop, reset, mark)
-                entries += 1
-            return entries, reader.end, size
-        finally:
-            view.release()
+        return view, fsutil.pread_into(f.fileno(), view, 0), size
+
+
+def _apply_file(path: str, read: tuple, store, drop, reset, mark) -> tuple[int, int, int]:
+    """``(entries applied, bytes of whole entries, file size)`` of one file that
+    :func:`_read_whole` read."""
+    view, got, size = read
+    if view is None:
+        return 0, 0, 0
+    try:
+        entries = 0
+        reader = fl.EntryReader(view, got)
+        for entry in reader:
+            _apply(entry, f"{path} at {reader.end}", store, drop, reset, mark)
+            entries += 1
+        return entries, reader.end, size
+    finally:
+        view.release()
 
 
 def _apply(entry, where: str, store, drop, reset, mark) -> None:
