@@ -245,12 +245,18 @@ def test_a_clean_stop_makes_the_last_cut(tq_start, tmp_path):
     assert _journal_count(state, "SELECT count(*) FROM meta_keys") == 2
 
 
-@pytest.mark.parametrize("durability", ["controller", "sync"])
-def test_no_cuts_without_buffer(tq_start, durability):
-    tq_start(1, durability=durability)
+def test_no_cuts_with_controller(tq_start):
+    tq_start(1, durability="controller")
     _put(["a"])
     time.sleep(0.3)
     assert _controller_stats()["durable_cuts"] == 0
+
+
+def test_sync_answers_a_put_after_a_durable_cut_covers_it(tq_start):
+    tq_start(1, durability="sync")
+    before = _controller_stats()["durable_cuts"]
+    _put(["a"])
+    assert _controller_stats()["durable_cuts"] >= before + 1
 
 
 def test_memory_writes_no_metadata(tq_start, tmp_path):

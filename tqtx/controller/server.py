@@ -24,6 +24,7 @@ from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server
 from .dataplane import DataPlaneRequests
+from .group_commit import GroupCommit
 from .kv import KVRequests
 from .lost import DeadBufferCheck
 from .metadata import Metadata
@@ -98,6 +99,9 @@ class Controller:
         self.metajournal = MetaJournal(self.journal.engine, durability, flush_interval_s)
         if self.metajournal.cuts_wanted:
             self.server.turn_hooks.append(self._durable_cut)
+        # "sync": the requests of a loop turn share one fsync of what they journaled
+        self.group_commit = (GroupCommit(self.server, self.metajournal)
+                             if self.metajournal.group_commits else None)
         self.unit_peers = UnitPeers()
         self.restores = RestoreCoordinator(
             meta=self.meta, journal=self.journal, units=self.unit_peers, num_units=num_units,
@@ -152,6 +156,8 @@ class Controller:
             ("PARTITIONS", dp.partitions, False),
             ("DATAPLANE_OPTIONS", dp.dataplane_options, True),
         ]:
+            if mutating and self.group_commit is not None:
+                fn = self.group_commit.wrap(fn)
             s.add(op, fn, mutating=mutating)
         # restore claims are counted per action: RESTORE_UNIT:claim / :staged / :failed
         s.op_labels["RESTORE_UNIT"] = restore_unit_label
@@ -345,7 +351,7 @@ class Controller:
                    if self.metajournal.cuts_wanted else 200)
         try:
             self.server.serve_forever(poll_ms)
-            if self.metajournal.cuts_wanted:
+            if self.metajournal.cuts_wanted or self.metajournal.group_commits:
                 try:  # a clean stop leaves nothing it committed undurable
                     self.metajournal.cut()
                 except Exception:

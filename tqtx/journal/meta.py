@@ -31,7 +31,9 @@ DURABILITY = dur.DURABILITY
 # SQLite's synchronous level per durability setting. WAL + NORMAL: a commit survives the
 # process (it is in the OS page cache), not a power loss; FULL fsyncs the WAL per commit.
 # "buffer" commits as NORMAL and makes them durable at each cut (MetaJournal.cut).
-_SYNCHRONOUS = {dur.CONTROLLER: "NORMAL", dur.BUFFER: "NORMAL", dur.SYNC: "FULL"}
+# "sync" commits without an fsync too: its requests share one durable cut per controller loop
+# turn (tqtx.controller.group_commit) before they are answered
+_SYNCHRONOUS = {dur.CONTROLLER: "NORMAL", dur.BUFFER: "NORMAL", dur.SYNC: "NORMAL"}
 # The marker each durable cut writes: its sequence number and wall-clock time.
 DURABLE_CUT = "durable_cut"
 # After a checkpoint SQLite truncates the WAL back to this size, so one large transaction
@@ -219,6 +221,16 @@ class MetaJournal:
     def cuts_wanted(self) -> bool:
         """Whether this journal makes periodic durable cuts (durability ``"buffer"``)."""
         return self.durability == dur.BUFFER
+
+    @property
+    def group_commits(self) -> bool:
+        """Whether requests wait for a shared durable cut (durability ``"sync"``)."""
+        return self.durability == dur.SYNC
+
+    @property
+    def dirty(self) -> bool:
+        """Something was committed since the last cut (durability buffer and sync)."""
+        return self._dirty
 
     def write(self, change: MetaChange) -> None:
         """Commit ``change`` (one transaction) unless durability is memory or it is empty."""
