@@ -383,6 +383,8 @@ class KVRequests:
         if load_id:
             st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
         self.journal_meta("checkpoint_replace", change)
+        if load_id:  # durable before any unit switches (and logs that it did)
+            self.metajournal.make_durable()
         self.meta.replace(snap, gen_base)
         self.replace_epoch += 1
         if load_id:

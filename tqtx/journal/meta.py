@@ -238,6 +238,12 @@ class MetaJournal:
             self._write(change)
             self._dirty = True
 
+    def make_durable(self) -> None:
+        """With durability buffer or sync, a cut now (:meth:`cut`): for a decision that
+        other processes act on before the request is answered (a checkpoint load's)."""
+        if self.durability in (dur.BUFFER, dur.SYNC):
+            self.cut()
+
     def cut_due(self, now: float | None = None) -> bool:
         """Whether a cut is due: durability ``"buffer"``, something committed since the
         last cut, and ``flush_interval_s`` passed since it."""
