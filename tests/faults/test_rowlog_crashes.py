@@ -5,6 +5,12 @@ same state dir. Every put acknowledged before the fault is back bit for
 bit, every acknowledged clear stays cleared, and the keys of the operation in flight hold
 their own value or are absent. Real processes, loopback only.
 
+Also a whole-job crash in the middle of a ``load_checkpoint`` switch: after the controller
+journaled the decision, before or after the units switched. The load is rolled forward: a
+unit that had switched knows it from its row log (it is not switched again over later
+writes), one that had not reads the checkpoint's rows again by the plan the decision
+journaled; nothing is named lost.
+
 Small segments and compaction thresholds (``TQTX_ROWLOG_SEGMENT_BYTES``,
 ``TQTX_ROWLOG_COMPACT_SLACK``) make the seal and compaction points come early. Two cases
 run in the quick tier, the rest in the slow tier."""
@@ -135,3 +141,41 @@ def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
     for k, row in zip(readable, got):
         want = acked.get(k, in_flight.get(k))
         assert row.tolist() == want, f"key {k} reads another value"
+
+
+@pytest.mark.parametrize("point", [
+    # the decision is journaled; no unit switched (their staged rows die with them)
+    "controller.meta.checkpoint_replace.after_commit@1",
+    # every unit switched (rows and mark fsynced); the marker was not removed
+    "controller.meta.checkpoint_replace.before_commit@2",
+])
+def test_a_whole_job_crash_during_a_checkpoint_switch_rolls_it_forward(tq_start, tmp_path,
+                                                                      point):
+    state, ckpt = str(tmp_path / "state"), str(tmp_path / "ckpt")
+    tq_start(2, state_dir=state, durability="sync", timeout=10,
+             env={"TQTX_FAULTS": f"{point}:kill"})
+    saved = [f"s{i}" for i in range(12)]
+    td = _rows(saved, 1)
+    tq.kv_batch_put(saved, PID, td)
+    want = {k: td["x"][i].tolist() for i, k in enumerate(saved)}
+    tq.save_checkpoint(ckpt)
+    later = [f"l{i}" for i in range(6)]
+    tq.kv_batch_put(later, PID, _rows(later, 2))
+    tq.kv_batch_put(saved[:3], PID, _rows(saved[:3], 3))  # overwritten after the save
+    with pytest.raises(ConnectionError):  # the controller dies under the call
+        tq.load_checkpoint(ckpt)
+    assert api._deployment.procs["controller"].poll() is not None
+    _kill_everything()
+
+    tq_start(2, state_dir=state, durability="sync", timeout=10)
+    client = tq.get_client()
+    deadline = time.monotonic() + 60
+    while not client.controller.call("TOPOLOGY")["ready"]:
+        assert time.monotonic() < deadline, "the units did not re-register"
+        time.sleep(0.1)
+    assert set(tq.kv_list().get(PID, {})) == set(saved)
+    assert not tq.list_lost_keys().get(PID)
+    got = tq.kv_batch_get(saved, PID)["x"]
+    assert {k: got[i].tolist() for i, k in enumerate(saved)} == want
+    tq.kv_batch_put(later, PID, _rows(later, 4))  # the buffer takes new keys again
+    assert set(tq.kv_list()[PID]) == set(saved) | set(later)

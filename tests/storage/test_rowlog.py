@@ -430,6 +430,17 @@ def test_replayed_rows_are_views_of_their_file_unless_it_is_mostly_dead(tmp_path
         _close(third)
 
 
+def _churn_until_the_first_file_is_compacted(unit, tmp_path, gen: int) -> None:
+    """Put and drop rows at other indexes (generations from ``gen``) until the log's first
+    file was compacted and deleted."""
+    for rnd in range(30):
+        _put(unit, [[10 + i, {"a": _tensor(rnd + i, 512)}] for i in range(4)], [gen + rnd] * 4)
+        _drop(unit, [10 + i for i in range(4)], [gen + rnd] * 4)
+    unit.rowlog.flush()
+    _settle(unit, lambda: _compacted(unit))
+    assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
+
+
 def test_rows_a_checkpoint_switch_brought_survive_the_compaction_of_their_file(
         tmp_path, monkeypatch):
     """A checkpoint switch gives the unit new row dicts; a later compaction logs the live
@@ -443,12 +454,7 @@ def test_rows_a_checkpoint_switch_brought_survive_the_compaction_of_their_file(
     unit.replace_rows(switched, {i: 50 + i for i in range(4)},
                       sum(v["a"].nbytes for v in switched.values()))
     unit.write_log()
-    for rnd in range(30):   # churn on other indexes: the switch's file becomes the oldest
-        _put(unit, [[10 + i, {"a": _tensor(rnd + i, 512)}] for i in range(4)], [100 + rnd] * 4)
-        _drop(unit, [10 + i for i in range(4)], [100 + rnd] * 4)
-    unit.rowlog.flush()
-    _settle(unit, lambda: _compacted(unit))
-    assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
+    _churn_until_the_first_file_is_compacted(unit, tmp_path, gen=100)
     want = _state(unit)
     assert sorted(want) == [0, 1, 2, 3] and want[2][0] == 52
     assert _state_after_reopen(unit, tmp_path) == want
@@ -492,12 +498,7 @@ def test_applied_restores_and_checkpoint_loads_are_remembered_after_a_reopen_and
     unit.checkpoints.switch(CheckpointSwitch("ck1", 100))
     unit.write_log()
     _loop_turn(unit)
-    for rnd in range(30):   # churn on other indexes: the marks' file becomes the oldest
-        _put(unit, [[10 + i, {"a": _tensor(rnd + i, 512)}] for i in range(4)], [200 + rnd] * 4)
-        _drop(unit, [10 + i for i in range(4)], [200 + rnd] * 4)
-    unit.rowlog.flush()
-    _settle(unit, lambda: _compacted(unit))
-    assert "seg-00000001.log" not in os.listdir(tmp_path / "log")
+    _churn_until_the_first_file_is_compacted(unit, tmp_path, gen=200)
     want = _state(unit)
     _close(unit)
     again = _unit(tmp_path)

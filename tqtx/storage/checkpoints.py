@@ -209,15 +209,8 @@ class UnitCheckpoints:
         deferred = unit.server.deferred(req, unit.server.current_ident)
 
         def work():
-            load = StagedLoad(request.load_id)
             try:
-                try:
-                    _read(request, load)
-                except BaseException:
-                    load.move(st.FAILED)
-                    raise
-                self._stage(load)
-                deferred.reply({"rows": len(load.rows)})
+                deferred.reply({"rows": len(self._read_and_stage(request).rows)})
             except BaseException as exc:
                 deferred.reply(error=exc)
 
@@ -230,15 +223,9 @@ class UnitCheckpoints:
         LOAD_CHECKPOINT body; the registering thread waits). False, and the load noted
         ``failed`` (the controller then names its rows lost), if that read fails."""
         request = LoadRequest.from_wire(body)
-        load = StagedLoad(request.load_id)
         t0 = time.monotonic()
         try:
-            try:
-                _read(request, load)
-            except BaseException:
-                load.move(st.FAILED)
-                raise
-            self._stage(load)
+            load = self._read_and_stage(request)
         except Exception as exc:  # noqa: BLE001 - named in the log, reported as failed
             log.error("unit %d: checkpoint load %s cannot be read again: %s",
                       self.unit.unit_id, request.load_id, exc)
@@ -247,6 +234,18 @@ class UnitCheckpoints:
         log.info("unit %d: read checkpoint load %s again (%d rows) in %.3fs",
                  self.unit.unit_id, request.load_id, len(load.rows), time.monotonic() - t0)
         return True
+
+    def _read_and_stage(self, request: LoadRequest) -> StagedLoad:
+        """Read the rows ``request`` names and stage them (a failed read moves the load to
+        ``failed``)."""
+        load = StagedLoad(request.load_id)
+        try:
+            _read(request, load)
+        except BaseException:
+            load.move(st.FAILED)
+            raise
+        self._stage(load)
+        return load
 
     def _stage(self, load: StagedLoad) -> None:
         """Keep ``load`` (replacing an earlier one of its ID) within :data:`STAGED_LOADS`:
