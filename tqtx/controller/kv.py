@@ -96,6 +96,12 @@ class RestoreGate(Protocol):
         is unresolved."""
 
 
+def plan_by_unit(unit_loads) -> dict[int, dict]:
+    """A checkpoint load's read plan as sent and journaled (``[[unit, LOAD_CHECKPOINT
+    body], ...]``) by unit."""
+    return {int(u): load for u, load in unit_loads}
+
+
 class KVRequests:
     """Request handlers for keys and their metadata (no payload), and the checkpoint load
     in progress.
@@ -378,9 +384,8 @@ class KVRequests:
         if load_id:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
             if body.get("unit_loads"):
-                plan = {int(u): load for u, load in body["unit_loads"]}
+                plan = plan_by_unit(body["unit_loads"])
                 change.blobs = {CHECKPOINT_PLAN: codec.packb(body["unit_loads"])}
-        if load_id:
             st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
         self.journal_meta("checkpoint_replace", change)
         if load_id:  # durable before any unit switches (and logs that it did)

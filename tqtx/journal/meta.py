@@ -241,7 +241,7 @@ class MetaJournal:
     def make_durable(self) -> None:
         """With durability buffer or sync, a cut now (:meth:`cut`): for a decision that
         other processes act on before the request is answered (a checkpoint load's)."""
-        if self.durability in (dur.BUFFER, dur.SYNC):
+        if self.durability in dur.LOGGED:
             self.cut()
 
     def cut_due(self, now: float | None = None) -> bool:

@@ -2,13 +2,13 @@
 when the unit starts again on the same data directory.
 
 The files and entries are :mod:`tqtx.format.rowlog`'s: segments of entries (a row stored, rows
-dropped, every row replaced, a restore or checkpoint load applied) in the order the unit applied them; a base (every live row when
-a segment was opened, written by earlier releases' compaction) is still read first. Replay
-reads the newest base, then the segments from its number on. A torn entry at the end of a
-file (a crash in the middle of a write) ends that file; so does a bad entry elsewhere, which
-is logged: the controller then names the rows it misses lost when the unit registers. The
-(index, generation) pair names the key incarnation: the controller reconciles by it and
-drops rows no committed put accounts for.
+dropped, every row replaced, a restore or checkpoint load applied) in the order the unit
+applied them; a base (every live row when a segment was opened, written by earlier releases'
+compaction) is still read first. Replay reads the newest base, then the segments from its
+number on. A torn entry at the end of a file (a crash in the middle of a write) ends that
+file; so does a bad entry elsewhere, which is logged: the controller then names the rows it
+misses lost when the unit registers. The (index, generation) pair names the key
+incarnation: the controller reconciles by it and drops rows no committed put accounts for.
 
 The request loop only queues what a request changed (rows are never changed in place once
 stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
