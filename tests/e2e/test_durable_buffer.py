@@ -14,6 +14,7 @@ from tensordict import TensorDict
 import tqtx as tq
 from tqtx import api
 from tqtx.errors import RowsLostError, TqtxError
+from whole_job import kill_whole_job, wait_units_registered
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,21 +33,6 @@ def _read(keys) -> dict:
     return {k: (td["v"][i].tolist(), td["w"][i].tolist()) for i, k in enumerate(keys)}
 
 
-def _kill_everything() -> None:
-    """What a SIGKILL of the whole job leaves: no END_BUFFER, no SHUTDOWN."""
-    api._deployment.stop(graceful=False)
-    api._client.close()
-    api._client = api._deployment = api._config = None
-
-
-def _wait_ready(timeout: float = 60.0) -> None:
-    client = tq.get_client()
-    deadline = time.monotonic() + timeout
-    while not client.controller.call("TOPOLOGY")["ready"]:
-        assert time.monotonic() < deadline, "the units did not re-register"
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("durability", ["buffer", "sync"])
 def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path, durability):
     state = str(tmp_path / "state")
@@ -62,10 +48,10 @@ def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path,
     want = _read(live)
     if durability == "buffer":  # every put acknowledged more than the interval before
         time.sleep(0.5)
-    _kill_everything()
+    kill_whole_job()
 
     tq_start(2, **cfg)
-    _wait_ready()
+    wait_units_registered()
     assert sorted(tq.kv_list()[PID]) == sorted(live)
     assert tq.list_lost_keys() == {}
     assert _read(live) == want
@@ -94,12 +80,12 @@ def test_the_rows_of_a_unit_whose_log_is_gone_are_named_lost(tq_start, tmp_path)
     keys = [f"k{i}" for i in range(40)]
     tq.kv_batch_put(keys, PID, _batch(keys, 0))
     want = _read(keys)
-    _kill_everything()
+    kill_whole_job()
     gone = os.path.join(state, "units", "unit-1")
     os.rename(gone, gone + ".elsewhere")   # the node and its disk are gone
 
     tq_start(2, **cfg)
-    _wait_ready()
+    wait_units_registered()
     lost = set(tq.list_lost_keys().get(PID, {}))
     kept = [k for k in keys if k not in lost]
     assert lost and kept, (lost, kept)
@@ -122,7 +108,7 @@ def test_a_unit_killed_alone_comes_back_with_its_rows(tq_start, tmp_path):
     proc.kill()
     proc.wait(10)
     dep.restart_unit(0)
-    _wait_ready()
+    wait_units_registered()
     assert tq.list_lost_keys() == {}
     assert _read(keys) == want
 
@@ -146,7 +132,7 @@ def test_the_controller_setting_keeps_no_rows_across_a_killed_job(tq_start, tmp_
     tq_start(2, durability="controller", state_dir=state)
     tq.kv_batch_put(["a", "b"], PID, _batch(["a", "b"], 0))
     assert not os.path.exists(os.path.join(state, "units"))
-    _kill_everything()
+    kill_whole_job()
     tq_start(2, durability="controller", state_dir=state)
     assert tq.kv_list() == {} and tq.list_lost_keys() == {}
 
@@ -157,12 +143,12 @@ def test_a_logged_buffer_refuses_another_unit_count_and_says_how_to_move(tq_star
     tq.kv_batch_put(["a", "b", "c"], PID, _batch(["a", "b", "c"], 0))
     want = _read(["a", "b", "c"])
     time.sleep(0.5)  # acknowledged more than the interval before the kill
-    _kill_everything()
+    kill_whole_job()
     with pytest.raises(TqtxError, match="kept by 2 units in their row logs.*num_units=2"):
         tq_start(3, durability="buffer", state_dir=state)
     tq.close()
     tq_start(2, durability="buffer", state_dir=state)
-    _wait_ready()
+    wait_units_registered()
     assert _read(["a", "b", "c"]) == want
 
 
@@ -283,12 +269,12 @@ def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(
             t.start()
         time.sleep(rng.uniform(1.5, 3.5))  # the kill comes at a random moment
         killed_at = time.monotonic()
-        _kill_everything()
+        kill_whole_job()
         stop.set()
         for t in writers:
             t.join(30)
         tq_start(2, **cfg)
-        _wait_ready()
+        wait_units_registered()
         listed = set(tq.kv_list().get(PID, {}))
         settled = killed_at - interval
         must = {k for k, t in acked.items() if t < settled and k not in cleared}

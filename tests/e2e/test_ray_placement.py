@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 import tqtx as tq  # noqa: E402
-from tqtx import api  # noqa: E402
 from tqtx.errors import RowsLostError, TqtxError  # noqa: E402
+from whole_job import kill_whole_job, wait_units_registered  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 # The first test also starts the module's cluster; under pytest-xdist every test of this
@@ -418,11 +418,7 @@ def test_a_killed_ray_job_brings_its_buffer_back_on_the_same_nodes(cluster, ray_
             proc.kill()
             proc.wait(10)
     ray_tq(num_units=2, unit_node_resource="storage", durability="buffer", state_dir=state)
-    client = tq.get_client()
-    deadline = time.monotonic() + 60
-    while not client.controller.call("TOPOLOGY")["ready"]:
-        assert time.monotonic() < deadline, "the units did not re-register"
-        time.sleep(0.1)
+    wait_units_registered()
     keys = [f"k{i}" for i in range(16)]
     assert sorted(tq.kv_list()["p"]) == sorted(keys) and tq.list_lost_keys() == {}
     assert tq.kv_batch_get(keys, "p")["x"].tolist() == torch.arange(64).reshape(16, 4).tolist()
@@ -558,16 +554,10 @@ def test_rows_of_a_lost_node_are_named_lost_after_a_restart(cluster, ray_tq, tmp
     time.sleep(1.0)  # every unit's row log written and fsynced
     cluster["cluster"].remove_node(node)     # the node, its unit and its disk are gone
     shutil.rmtree(os.path.join(data, f"unit-{lost_unit}"))
-    api._deployment.stop(graceful=False)     # then the job dies
-    api._client.close()
-    api._client = api._deployment = api._config = None
+    kill_whole_job()                         # then the job dies
 
     ray_tq(**cfg)                            # started again on the nodes left
-    client = tq.get_client()
-    deadline = time.monotonic() + 90
-    while not client.controller.call("TOPOLOGY")["ready"]:
-        assert time.monotonic() < deadline, "the units did not re-register"
-        time.sleep(0.1)
+    wait_units_registered(90)
     on_lost = {k for i, k in enumerate(keys) if i % 3 == lost_unit}
     kept = [k for k in keys if k not in on_lost]
     # every key is either readable (listed) or named lost: none is silently missing

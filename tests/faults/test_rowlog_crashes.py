@@ -26,6 +26,7 @@ from tensordict import TensorDict
 import tqtx as tq
 from crash_table import ACKED_KEPT, ROWLOG
 from tqtx import api
+from whole_job import kill_whole_job, wait_units_registered
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,12 +52,6 @@ def _rows(keys, seed: int) -> TensorDict:
     gen = torch.Generator().manual_seed(seed)
     return TensorDict({"x": torch.randint(0, 1 << 30, (len(keys), 1024), generator=gen)},
                       batch_size=[len(keys)])
-
-
-def _kill_everything() -> None:
-    api._deployment.stop(graceful=False)
-    api._client.close()
-    api._client = api._deployment = api._config = None
 
 
 def _log(state: str, name: str) -> str:
@@ -123,14 +118,10 @@ def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
     else:
         assert fired(), f"{point} did not fire"
     assert acked, "no put was acknowledged before the fault"
-    _kill_everything()
+    kill_whole_job()
 
     tq_start(2, state_dir=state, durability=durability, timeout=10)
-    client = tq.get_client()
-    deadline = time.monotonic() + 60
-    while not client.controller.call("TOPOLOGY")["ready"]:
-        assert time.monotonic() < deadline, "the units did not re-register"
-        time.sleep(0.1)
+    wait_units_registered()
     listed = set(tq.kv_list().get(PID, {}))
     lost = set(tq.list_lost_keys().get(PID, {}))
     assert set(acked) <= listed, f"acknowledged keys missing: {sorted(set(acked) - listed)}"
@@ -165,14 +156,10 @@ def test_a_whole_job_crash_during_a_checkpoint_switch_rolls_it_forward(tq_start,
     with pytest.raises(ConnectionError):  # the controller dies under the call
         tq.load_checkpoint(ckpt)
     assert api._deployment.procs["controller"].poll() is not None
-    _kill_everything()
+    kill_whole_job()
 
     tq_start(2, state_dir=state, durability="sync", timeout=10)
-    client = tq.get_client()
-    deadline = time.monotonic() + 60
-    while not client.controller.call("TOPOLOGY")["ready"]:
-        assert time.monotonic() < deadline, "the units did not re-register"
-        time.sleep(0.1)
+    wait_units_registered()
     assert set(tq.kv_list().get(PID, {})) == set(saved)
     assert not tq.list_lost_keys().get(PID)
     got = tq.kv_batch_get(saved, PID)["x"]
