@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from tqtx.fsutil import fsync_dir as _fsync_dir
+from tqtx.layout.fsutil import fsync_dir as _fsync_dir
 
 CHUNK = 8 * 2**20
 

@@ -244,7 +244,7 @@ def recovery(args, root: str) -> dict:
     readable = time.perf_counter() - t0
     listed = sum(len(v) for v in tq.kv_list().values())
     tq.close()
-    from tqtx.paths import process_log
+    from tqtx.layout.paths import process_log
     with open(process_log(state, "controller")) as f:   # a line per unit
         reconciled = [float(m) for m in re.findall(r"reconciled in ([0-9.]+)s", f.read())]
     shutil.rmtree(state, ignore_errors=True)

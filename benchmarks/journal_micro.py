@@ -1,7 +1,7 @@
 """The journal's share of a dump and of a restore, timed through the journals' public API.
 
 Each function replays, on a fresh journal in ``state_dir``, the journal transactions one
-dump and one restore make (see tqtx/dump/save.py, load.py, publish.py and
+dump and one restore make (see tqtx/dump/save.py, load.py, tqtx/journal/publish.py and
 tqtx/controller), so the commits and fsyncs hit the same file system as the benchmark's
 dumps. Medians of ``reps`` runs.
 """
@@ -18,7 +18,7 @@ def dump_journal_micro(state_dir: str, reps: int = 5) -> dict:
     """Time the client's dump-journal calls of one dump (fresh target) and one restore."""
     from tqtx import states as st
     from tqtx.journal.dump import DumpJournal
-    from tqtx.paths import staging_path
+    from tqtx.layout.paths import staging_path
     dump_t, restore_t = [], []
     for rep in range(reps):
         dump_dir = os.path.join(state_dir, f"dump-{rep}")

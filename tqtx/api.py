@@ -13,14 +13,14 @@ import os
 import threading
 
 from . import public
-from .arguments import as_key_list, check_call
+from .arguments.table import as_key_list, check_call
 from .client import semantics
 from .client.client import Client
 from .client.kvmeta import KVBatchMeta
-from .dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
+from .compat.dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
 from .errors import NotInitializedError
-from .gcpause import gc_paused
-from .validate import is_tensordict
+from .client.gcpause import gc_paused
+from .arguments.kinds import is_tensordict
 
 __all__ = [*public.CALLS, "KVBatchMeta"]
 
@@ -33,7 +33,7 @@ DEFAULTS = {"num_units": 2, "host": "127.0.0.1", "port": 0, "timeout": 300.0}
 
 
 def _default_state_dir() -> str:
-    from .paths import default_state_dir
+    from .layout.paths import default_state_dir
     return str(default_state_dir())
 
 
@@ -92,7 +92,7 @@ def init(conf=None, *, address: str | None = None, config=None) -> dict:
             _warm_dump_path()
         address = address or cfg.get("address") or os.environ.get("TQTX_ADDRESS")
         if address:
-            from .security import attach_curve
+            from .wire.security import attach_curve
             curve = attach_curve(address, state_dir=cfg.get("state_dir")
                                  or os.environ.get("TQTX_STATE_DIR"),
                                  server_key=cfg.get("server_key"), keys_dir=cfg.get("keys_dir"),
@@ -205,7 +205,7 @@ def _start_embedded(cfg: dict, state_dir: str, num_units: int):
                           port=int(cfg["port"]), env=env or None,
                           unit_env=cfg.get("unit_env"), metrics=cfg.get("metrics"))
     try:
-        from .security import client_curve_for
+        from .wire.security import client_curve_for
         curve = client_curve_for(dep.state_dir, host=cfg["host"], keys_dir=cfg.get("keys_dir"),
                                  server_key=cfg.get("server_key"),
                                  client_key_file=cfg.get("client_key"),
@@ -275,9 +275,9 @@ def _client_of() -> Client:
 
 
 def get_client():
-    """The process-wide client: TransferQueue's low-level client calls (:mod:`tqtx.dataplane`)
-    over tqtx's own Client, whose methods it also has. Raises if init was not called."""
-    from .dataplane import client_for
+    """The process-wide client: TransferQueue's low-level client calls
+    (:mod:`tqtx.compat.dataplane`) over tqtx's own Client, whose methods it also has. Raises if init was not called."""
+    from .compat.dataplane import client_for
     return client_for(_client_of())
 
 
@@ -468,8 +468,8 @@ def read_row_index(dump_dir) -> dict:
     check_call("read_row_index", locals())
     from .client import tensors
     from . import format as fmt
-    from .publish import dump_lock, recover_publications
-    from .paths import check_path_arg, lock_path, old_path, siblings_writable
+    from .journal.publish import dump_lock, recover_publications
+    from .layout.paths import check_path_arg, lock_path, old_path, siblings_writable
     path = check_path_arg(dump_dir, "dump_dir")
     # A read-only dump is read as it is: nothing can be published into it or recovered there.
     if siblings_writable(path) and (lock_path(path).exists() or old_path(path).exists()):

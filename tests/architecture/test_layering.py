@@ -18,12 +18,14 @@ MAX_LINES = 550
 # What a server (controller, storage unit) must never import: the user-facing layer (the
 # API, its low-level client, the client package with its put/get paths and fence), the client
 # side of dump/restore/checkpoint (tqtx.dump), the tools, and the package face.
-USER_FACING = ("tqtx.api", "tqtx.dataplane", "tqtx.client", "tqtx.dump",
+USER_FACING = ("tqtx.api", "tqtx.compat", "tqtx.arguments", "tqtx.client", "tqtx.dump",
                "tqtx.cli", "tqtx.demo")
 FACE = "tqtx"
 SERVERS = ("tqtx.controller", "tqtx.storage")
+# Packages below everything else: they import nothing from tqtx but their own modules.
+BOTTOM_PACKAGES = ("tqtx.layout", "tqtx.process")
 # What journal/ and format/ may import from tqtx, besides their own package.
-LOW_LEVEL = ("tqtx.errors", "tqtx.paths", "tqtx.fsutil", "tqtx.states", "tqtx.schema",
+LOW_LEVEL = ("tqtx.errors", "tqtx.layout", "tqtx.states", "tqtx.schema",
              "tqtx.durability", "tqtx.wire", "tqtx.faults")
 LEAF_PACKAGES = ("tqtx.journal", "tqtx.format")
 TORCH_FREE = ("tqtx.controller", "tqtx.storage", "tqtx.journal", "tqtx.format", "tqtx.wire")
@@ -125,6 +127,23 @@ def test_journal_and_format_import_nothing_above_them():
         own = next(p for p in LEAF_PACKAGES if _within(module, (p,)))
         return _within(name, (own,) + LOW_LEVEL)
     assert _violations(LEAF_PACKAGES, allowed) == []
+
+
+def test_layout_and_process_import_nothing_of_tqtx():
+    def allowed(module, name):
+        own = next(p for p in BOTTOM_PACKAGES if _within(module, (p,)))
+        return not _in_tqtx(name) or _within(name, (own,))
+    assert _violations(BOTTOM_PACKAGES, allowed) == []
+
+
+def test_every_package_ships():
+    """A package missing from pyproject.toml's list works in this checkout and is absent
+    from an installed wheel."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert found - listed == set()
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if _within(m, TORCH_FREE)])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tqtx import fsutil
+from tqtx.layout import fsutil
 from tqtx.client import result_layout, tensors
 from tqtx.client import Column
 from tqtx.storage.replies import into_reply, reply_columns

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tqtx import shim
+from tqtx.compat import shim
 from tqtx.cli import main
 
 TQ_DIST_INFO = "transferqueue-0.1.11.dist-info"
@@ -42,7 +42,7 @@ def test_import_transfer_queue_is_tqtx(tmp_path):
         "print(json.dumps({'same': tq.init is tqtx.init and BatchMeta is tqtx.BatchMeta\n"
         "                  and KVBatchMeta is tqtx.KVBatchMeta, 'version': tq.__version__,\n"
         "                  'api': tq.TRANSFERQUEUE_API_VERSION,\n"
-        "                  'config': cfg.read_text() == (resources.files('tqtx') / "
+        "                  'config': cfg.read_text() == (resources.files('tqtx.compat') / "
         "'config.yaml').read_text(), 'all': 'kv_batch_put' in dir(tq)}))\n"
         "try:\n"
         "    import transfer_queue.storage.simple_storage\n"

@@ -19,7 +19,7 @@ import tqtx as tq
 from tqtx import KVBatchMeta, api
 from tqtx.errors import DumpFormatError, DumpNotFoundError, TqtxError
 from tqtx.deploy.initconfig import resolve
-from tqtx.arguments import ARGUMENTS, ArgumentTypeError, check_call, check_snapshot_names
+from tqtx.arguments.table import ARGUMENTS, ArgumentTypeError, check_call, check_snapshot_names
 
 
 @pytest.fixture(autouse=True)

@@ -318,7 +318,7 @@ def test_the_controller_command_takes_the_setting(tmp_path, given, want):
     import sys
 
     from tqtx.deploy.local import _read_announcement
-    from tqtx.proc import controller_command, stop_child
+    from tqtx.process.servers import controller_command, stop_child
     from tqtx.wire.peer import Peer
     args = controller_command(num_units=1, state_dir=str(tmp_path / "state"), host="127.0.0.1",
                               port=0)
@@ -346,7 +346,7 @@ def test_a_refused_setting_is_the_controllers_start_error(tmp_path):
     import sys
 
     from tqtx.deploy.local import _read_announcement
-    from tqtx.proc import controller_command, stop_child
+    from tqtx.process.servers import controller_command, stop_child
     args = controller_command(num_units=1, state_dir=str(tmp_path / "state"), host="127.0.0.1",
                               port=0)
     proc = subprocess.Popen([sys.executable, *args, "--durability", "fast"],

@@ -46,7 +46,7 @@ def _records(caplog):
 def test_transferqueue_default_config_is_accepted_and_logged_once(caplog):
     caplog.set_level(logging.INFO, logger="tqtx.init")
     cfg = resolve(TQ_DEFAULT)
-    # controller.polling_mode is get_meta's (tqtx.dataplane); the default sampler is tqtx's
+    # controller.polling_mode is get_meta's (tqtx.compat.dataplane); the default sampler is tqtx's
     assert cfg == {"num_units": 2, "metrics": {"enabled": False, "port": 0},
                    "polling_mode": False}
     (rec,) = _records(caplog)

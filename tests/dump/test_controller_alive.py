@@ -1,5 +1,5 @@
 """Whether a restore's controller is still alive, as the dump side asks it of a state dir
-(the controller's lock is the one probe, tqtx.paths.controller_running)."""
+(the controller's lock is the one probe, tqtx.layout.paths.controller_running)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from filelock import FileLock
 
 from tqtx.dump.load import _controller_alive
 from tqtx.journal.controller import ControllerJournal
-from tqtx.paths import controller_lock_path
+from tqtx.layout.paths import controller_lock_path
 
 
 def test_no_state_dir_or_no_journal_cannot_tell(tmp_path):

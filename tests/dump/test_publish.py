@@ -11,11 +11,11 @@ import pytest
 from filelock import Timeout
 
 from tqtx import faults
-from tqtx.publish import Publication, dump_lock, publish_dir_size, recover_publications
-from tqtx.fsutil import fsync_dir, fsync_file
+from tqtx.journal.publish import Publication, dump_lock, publish_dir_size, recover_publications
+from tqtx.layout.fsutil import fsync_dir, fsync_file
 from tqtx.journal.dump import DumpJournal
 from tqtx.states import IllegalTransition
-from tqtx.paths import dump_journal_path
+from tqtx.layout.paths import dump_journal_path
 
 PHASES = ["staging", "written", "synced", "old_moved", "published", "cleaned"]
 JOURNAL_PHASE = {"old_moved": "old-moved"}
@@ -33,7 +33,7 @@ def tree(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path)): p.read_text() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-# The smallest manifest tqtx.paths.manifest_kind takes for a dump: only a tqtx dump (or an
+# The smallest manifest tqtx.layout.paths.manifest_kind takes for a dump: only a tqtx dump (or an
 # empty directory) may be replaced by a publication.
 DUMP_MANIFEST = ('{"format_version": 1, "dump_id": "d", "partition_id": "p", '
                  '"row_index": {}, "shards": []}')
@@ -325,7 +325,7 @@ def test_fsync_helpers(tmp_path):
 
 
 def test_fsync_tree_files_false_fsyncs_only_directories(tmp_path, monkeypatch):
-    from tqtx import fsutil
+    from tqtx.layout import fsutil
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a").write_bytes(b"x" * 7)
     (tmp_path / "b").write_bytes(b"y" * 3)
@@ -343,7 +343,7 @@ def test_fsync_tree_files_false_fsyncs_only_directories(tmp_path, monkeypatch):
 
 
 def test_commit_files_synced_publishes_the_same(tmp_path, monkeypatch):
-    from tqtx import publish as pubmod
+    from tqtx.journal import publish as pubmod
     calls = []
     real = pubmod.fsync_tree
     monkeypatch.setattr(pubmod, "fsync_tree", lambda root, files=True: (calls.append(files),
@@ -362,7 +362,7 @@ def test_commit_files_synced_publishes_the_same(tmp_path, monkeypatch):
 CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tqtx.publish import Publication, dump_lock
+    from tqtx.journal.publish import Publication, dump_lock
     from tqtx.journal.dump import DumpJournal
     dump = Path(sys.argv[1])
     with dump_lock(dump), DumpJournal(dump) as j:

@@ -4,7 +4,7 @@ For each function of the module API (and each async twin) and each of its argume
 other arguments get a valid value and this one a generated wrong value: None, a bool, an
 int (huge ones too), a float (NaN, infinities), bytes, "", whitespace, a huge str, a list
 of the wrong type, a nested dict or a plain object. The expectation comes from an oracle
-written here, apart from tqtx's own table (tqtx.arguments): a value the API documents as
+written here, apart from tqtx's own table (tqtx.arguments.table): a value the API documents as
 accepted must not be refused for its type, any other must raise TypeError or ValueError
 naming the argument. After a refusal nothing visible changed: ``kv_list()``, the controller
 journal's files and the tree of the test's dumps and targets are byte-identical. After
@@ -32,7 +32,7 @@ from tensordict import TensorDict
 
 import tqtx as tq
 from tqtx import KVBatchMeta, api
-from tqtx.arguments import ARGUMENTS
+from tqtx.arguments.table import ARGUMENTS
 from treehash import diff, snapshot
 
 pytestmark = pytest.mark.timeout(600)

@@ -94,7 +94,7 @@ TQ_CLIENT_SIGNATURES = {
 
 @pytest.mark.parametrize("name", sorted(TQ_CLIENT_SIGNATURES))
 def test_client_calls_take_transferqueues_parameters(name):
-    from tqtx.dataplane import DataPlaneClient
+    from tqtx.compat.dataplane import DataPlaneClient
     for method in (name, f"async_{name}"):
         fn = getattr(DataPlaneClient, method)
         sig = _bare(fn)

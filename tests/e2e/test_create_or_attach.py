@@ -245,7 +245,7 @@ def test_close_of_the_creator_leaves_no_record_for_a_later_init(tmp_path, monkey
 def test_bare_init_attaches_to_a_curve_deployment(tmp_path, procs, monkeypatch):
     """The creator forces CURVE; an attacher without TQTX_CURVE learns it from the record
     and authenticates with the state dir's client key."""
-    from tqtx import security
+    from tqtx.wire import security
     tq.close()
     monkeypatch.delenv("TQTX_ADDRESS", raising=False)
     for var in ("TQTX_INSECURE", "TQTX_KEYS_DIR", "TQTX_SERVER_KEY"):

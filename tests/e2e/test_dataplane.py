@@ -11,7 +11,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
-from tqtx import dataplane
+from tqtx.compat import dataplane
 
 pytestmark = pytest.mark.usefixtures("tq_shared")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tqtx import shim
+from tqtx.compat import shim
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from buffers import assert_same_rows, rollout_batch
 from tqtx import ReadOnlyDumpError
 from tqtx.journal.controller import ControllerJournal
 from tqtx.journal.dump import DumpJournal
-from tqtx.paths import JOURNAL_SUFFIX, LOCK_SUFFIX, relocated_path
+from tqtx.layout.paths import JOURNAL_SUFFIX, LOCK_SUFFIX, relocated_path
 from treehash import assert_unchanged, snapshot
 
 
@@ -80,7 +80,7 @@ def test_load_inspect_verify_a_read_only_dump(tq_start, tmp_path, read_only, cap
     for dump in (mnt / "with-siblings" / "d", mnt / "bare" / "d"):
         pid = f"ro-{dump.parent.name}"
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="tqtx.paths"):
+        with caplog.at_level(logging.WARNING, logger="tqtx.layout.paths"):
             rep = tq.load_data_by_key(dump, partition_id=pid)
         assert rep["keys"] == len(keys)
         assert_same_rows(tq.kv_batch_get(keys, pid), td)

@@ -243,7 +243,7 @@ def test_generations_are_never_given_twice_across_controller_restarts(tq_start, 
 
 def test_a_dump_whose_records_name_other_keys_is_refused_naming_them(dep, tmp_path):
     """Swap the two rows of the row index: each record now lies about its key."""
-    from tqtx import fsutil
+    from tqtx.layout import fsutil
     from tqtx.wire import codec
     _put(["a", "c"], 1, 3)
     d = tmp_path / "d"
@@ -272,7 +272,7 @@ def _as_version_1(d):
     records (no partition, key or generation), row index rows of 4, format_version 1."""
     import json
     import struct
-    from tqtx import fsutil
+    from tqtx.layout import fsutil
     from tqtx.wire import codec
     m = json.loads((d / fmt.MANIFEST).read_text())
     for s in m["shards"]:

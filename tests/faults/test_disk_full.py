@@ -183,7 +183,7 @@ def test_a_log_file_on_a_full_disk_drops_records_and_says_so_once(tmpfs):
     script = f"""
 import logging, os, sys
 sys.path.insert(0, {os.getcwd()!r})
-from tqtx.logutil import DiskSafeFileHandler
+from tqtx.process.logutil import DiskSafeFileHandler
 h = DiskSafeFileHandler({str(mnt / 'unit.log')!r})
 log = logging.getLogger('t'); log.addHandler(h); log.setLevel(logging.INFO); log.propagate = False
 log.info('before')

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tqtx import faults, fsutil
+from tqtx import faults
+from tqtx.layout import fsutil
 from tqtx import format as F
 from tqtx.errors import DumpFormatError
 from tqtx.format import shard as shard_mod

@@ -12,7 +12,7 @@ from tqtx.cli.journal import journal
 from tqtx.journal.migrate import migrate
 from tqtx.journal.controller import ControllerJournal
 from tqtx.journal.dump import DumpJournal
-from tqtx.paths import controller_journal_path, dump_journal_path
+from tqtx.layout.paths import controller_journal_path, dump_journal_path
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from tqtx.journal.models import ControllerBase, DumpBase
 from tqtx.journal.migrate import head_revision, make_engine, migrate, migrations_dir
 from tqtx.journal.controller import ControllerJournal
 from tqtx.journal.dump import DumpJournal
-from tqtx.paths import controller_journal_path, dump_journal_path
+from tqtx.layout.paths import controller_journal_path, dump_journal_path
 
 
 def tables(path) -> set[str]:

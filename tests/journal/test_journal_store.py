@@ -10,11 +10,11 @@ from sqlalchemy.exc import IntegrityError
 
 from tqtx import faults
 from tqtx.controller.startup import recover_controller_journal
-from tqtx.publish import Publication, dump_lock
+from tqtx.journal.publish import Publication, dump_lock
 from tqtx.journal.controller import ControllerJournal
 from tqtx.journal.dump import DumpJournal
 from tqtx.states import IllegalTransition
-from tqtx.paths import controller_journal_path, default_state_dir, dump_journal_path
+from tqtx.layout.paths import controller_journal_path, default_state_dir, dump_journal_path
 
 
 @pytest.fixture

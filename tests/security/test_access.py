@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from tensordict import TensorDict
 
 import tqtx as tq
-from tqtx import security
+from tqtx.wire import security
 from tqtx.errors import PeerTimeoutError
 from tqtx.wire.peer import Peer
 
@@ -95,7 +95,7 @@ def test_non_loopback_without_keys_is_refused(monkeypatch, tmp_path):
 def test_insecure_flag_allows_and_warns(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TQTX_INSECURE", "1")
     monkeypatch.delenv("TQTX_KEYS_DIR", raising=False)
-    with caplog.at_level(logging.WARNING, logger="tqtx.security"):
+    with caplog.at_level(logging.WARNING, logger="tqtx.wire.security"):
         assert security.server_curve_for("0.0.0.0", str(tmp_path)) is None
         assert security.attach_curve("tcp://10.1.2.3:5555", state_dir=str(tmp_path)) is None
     assert sum("WITHOUT authentication" in r.getMessage() for r in caplog.records) == 2

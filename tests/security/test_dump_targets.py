@@ -17,7 +17,7 @@ import torch
 
 import tqtx as tq
 from tqtx import TargetNotADumpError
-from tqtx.publish import dump_lock, recover_publications
+from tqtx.journal.publish import dump_lock, recover_publications
 from treehash import assert_unchanged, snapshot, tqtx_own
 
 pytestmark = pytest.mark.strict  # the tests compare dense columns

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 import tqtx as tq  # noqa: E402
 from buffers import assert_same_rows, assert_same_value, rollout_batch  # noqa: E402
 from tqtx import format as fmt  # noqa: E402
-from tqtx.paths import dump_journal_path  # noqa: E402
+from tqtx.layout.paths import dump_journal_path  # noqa: E402
 from treehash import assert_unchanged, snapshot, tqtx_own  # noqa: E402
 
 N = 8

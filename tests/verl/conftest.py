@@ -21,7 +21,7 @@ VERL = importlib.util.find_spec("verl") is not None
 SHIM_DIR = tempfile.mkdtemp(prefix="tqtx-verl-shim-")
 
 if VERL:
-    from tqtx import shim
+    from tqtx.compat import shim
     shim.install(SHIM_DIR)
     sys.path.insert(0, SHIM_DIR)
     sys.path.insert(0, str(HERE))

@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from tqtx import fsutil
+from tqtx.layout import fsutil
 from tqtx.client import tensors
-from tqtx.pids import process_started
+from tqtx.process.pids import process_started
 from tqtx.client import Column
 from tqtx.storage.replies import reply_columns
 from tqtx.wire import shm

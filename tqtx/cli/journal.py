@@ -1,7 +1,7 @@
 """``tqtx journal ...``: inspect, recover, migrate and check the tqtx journals.
 
 Each command targets either a controller journal (``--state-dir D``, default
-:func:`~tqtx.paths.default_state_dir`) or, given a positional ``DUMP_DIR``, the dump
+:func:`~tqtx.layout.paths.default_state_dir`) or, given a positional ``DUMP_DIR``, the dump
 journal ``<DUMP_DIR>.journal.sqlite``.
 """
 from __future__ import annotations
@@ -22,10 +22,9 @@ from ..errors import TqtxError
 from ..journal.migrate import CONTROLLER, DUMP, check_file, migrate
 from ..journal.controller import ControllerJournal
 from ..journal.dump import DumpJournal
-from ..paths import (
-    JOURNAL_SUFFIX, controller_journal_path, controller_lock_path, controller_running,
-    default_state_dir, dump_journal_path, relocated_path, siblings_writable,
-)
+from ..layout.paths import (JOURNAL_SUFFIX, controller_journal_path, controller_lock_path,
+                            controller_running, default_state_dir, dump_journal_path,
+                            relocated_path, siblings_writable)
 from ..states import DUMP_RESTORE_FINAL
 
 RESTORE_KEYS = ("restore_id", "partition_id", "dump_dir", "state", "outcome", "reason", "keys",
@@ -47,7 +46,7 @@ def _target(dump_dir: str | None, state_dir: str | None) -> tuple[str, Path, Pat
     """(kind, target dir, journal path) for the command's arguments.
 
     With DUMP_DIR, ``--state-dir`` (default: the default state dir) is where the journal of
-    a dump on read-only storage is kept (see :func:`tqtx.paths.records_location`): used when
+    a dump on read-only storage is kept (see :func:`tqtx.layout.paths.records_location`): used when
     the dump's directory is read-only, or when there is no journal beside the dump.
     """
     if dump_dir:
@@ -333,7 +332,7 @@ def _echo_actions(actions: list[dict], as_json: bool, extra: dict) -> None:
 def recover(dump_dir, state_dir, as_json) -> None:
     """Run crash recovery by hand (the controller does this at startup)."""
     from ..controller.startup import recover_controller_journal
-    from ..publish import dump_lock, recover_publications
+    from ..journal.publish import dump_lock, recover_publications
 
     kind, target, path = _target(dump_dir, state_dir)
     if kind == DUMP:

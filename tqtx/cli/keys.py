@@ -16,7 +16,7 @@ def keys():
 @click.option("--force", is_flag=True, help="Replace existing keys (clients must get the new ones).")
 def keys_init(state_dir, force):
     """Create the server keypair and an authorized client keypair."""
-    from ..security import init_keys
+    from ..wire.security import init_keys
     try:
         info = init_keys(state_dir, force=force)
     except FileExistsError as exc:

@@ -59,7 +59,7 @@ def serve(num_units, port, host, state_dir, insecure, durability, flush_interval
     import threading
 
     from ..deploy.local import LocalDeployment
-    from ..paths import default_state_dir
+    from ..layout.paths import default_state_dir
     env = {"TQTX_INSECURE": "1"} if insecure else {}
     env.update(_durability_env(durability, flush_interval_s, unit_data_dir))
     stop = threading.Event()
@@ -93,8 +93,8 @@ def serve(num_units, port, host, state_dir, insecure, durability, flush_interval
 def controller(num_units, port, host, state_dir, insecure, durability, flush_interval_s):
     """Run only the controller (units join with `tqtx unit`)."""
     from ..controller.__main__ import main as run
-    from ..paths import default_state_dir
-    from ..proc import controller_args
+    from ..layout.paths import default_state_dir
+    from ..process.servers import controller_args
     if insecure:
         os.environ["TQTX_INSECURE"] = "1"
     os.environ.update(_durability_env(durability, flush_interval_s, None))
@@ -121,7 +121,7 @@ def controller(num_units, port, host, state_dir, insecure, durability, flush_int
 def unit(controller_address, unit_id, port, host, keys_dir, node, insecure, durability,
          flush_interval_s, data_dir):
     """Run one storage unit that registers with a controller (see docs/deployment.md)."""
-    from ..proc import unit_args
+    from ..process.servers import unit_args
     from ..storage.__main__ import main as run
     if insecure:
         os.environ["TQTX_INSECURE"] = "1"

@@ -23,7 +23,7 @@ _TARGET = click.option("--target", type=click.Path(file_okay=False), default=Non
 @_TARGET
 def install(target) -> None:
     """Write the transfer_queue package (an alias of tqtx) into the target."""
-    from ..shim import ShimError, install as do_install
+    from ..compat.shim import ShimError, install as do_install
     try:
         pkg = do_install(target)
     except ShimError as exc:
@@ -35,7 +35,7 @@ def install(target) -> None:
 @_TARGET
 def remove(target) -> None:
     """Delete the shim's files (only those tqtx wrote)."""
-    from ..shim import ShimError, remove as do_remove
+    from ..compat.shim import ShimError, remove as do_remove
     try:
         gone = do_remove(target)
     except ShimError as exc:
@@ -48,7 +48,7 @@ def remove(target) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def status(target, as_json) -> None:
     """Whether the shim, or TransferQueue itself, is installed in the target."""
-    from ..shim import status as get_status
+    from ..compat.shim import status as get_status
     info = get_status(target)
     if as_json:
         click.echo(json.dumps(info))

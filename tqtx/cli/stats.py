@@ -90,7 +90,7 @@ def stats(address, keys_dir, as_json, timeout, lost):
     address = address or os.environ.get("TQTX_ADDRESS")
     if not address:
         raise click.UsageError("give --address or set TQTX_ADDRESS")
-    from ..security import attach_curve
+    from ..wire.security import attach_curve
     try:
         curve = attach_curve(address, keys_dir=keys_dir)
     except (OSError, ValueError) as exc:

@@ -1,5 +1,5 @@
 """``BatchMeta``: the metadata of a batch of samples that TransferQueue's low-level client
-(``get_meta``, ``put``, ``get_data``, ``kv_retrieve_meta``; :mod:`tqtx.dataplane`) hands
+(``get_meta``, ``put``, ``get_data``, ``kv_retrieve_meta``; :mod:`tqtx.compat.dataplane`) hands
 around, with the attributes and methods of TransferQueue 0.1.11's class of that name.
 
 Columnar, one entry per sample: ``global_indexes``, ``partition_ids``, ``custom_meta`` (the

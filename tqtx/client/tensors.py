@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from .. import fsutil
+from ..layout import fsutil
 from . import result_layout
-from ..validate import check_utf8
+from ..arguments.kinds import check_utf8
 from ..wire import shm
 from ..wire.values import DTYPE_SIZES, RawTensor
 

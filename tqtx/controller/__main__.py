@@ -22,10 +22,10 @@ def main(argv=None) -> int:
                          "$TQTX_FLUSH_INTERVAL_S, else 1.0)")
     args = ap.parse_args(argv)
     from .. import durability as dur
-    from ..proc import announce, setup_logging, stop_on_signals, watch_parent
+    from ..process.servers import announce, setup_logging, stop_on_signals, watch_parent
     watch_parent(args.parent_fd)
     setup_logging(log_file=args.log_file, name="controller")
-    from ..security import server_curve_for, client_curve_for
+    from ..wire.security import server_curve_for, client_curve_for
     try:
         # the options win over $TQTX_DURABILITY / $TQTX_FLUSH_INTERVAL_S
         given = args.durability or os.environ.get(dur.ENV_DURABILITY) or dur.DEFAULT

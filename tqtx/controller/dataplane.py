@@ -1,4 +1,4 @@
-"""Controller requests behind TransferQueue's low-level client (``tqtx.dataplane``): batch
+"""Controller requests behind TransferQueue's low-level client (``tqtx.compat.dataplane``): batch
 metadata by key or by index, streaming fetch with per-task consumption, production status.
 
 No payload: rows are read and written through the KV requests (LOOKUP, ALLOC, COMMIT_PUT),

@@ -19,7 +19,7 @@ from .. import states as st
 from ..errors import ControllerRecoveringError, StateDirInUseError
 from ..journal.controller import ControllerJournal
 from ..journal.meta import MetaJournal
-from ..paths import controller_lock_path, controller_owner_path
+from ..layout.paths import controller_lock_path, controller_owner_path
 from ..version import __version__
 from ..wire.peer import CONNECT_TIMEOUT, Peer
 from ..wire.rpc import Server

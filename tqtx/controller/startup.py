@@ -14,14 +14,14 @@ import time
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import states as st
-from ..publish import dump_lock, recover_publications
+from ..journal.publish import dump_lock, recover_publications
 from ..errors import DumpFormatError
 from ..durability import LOGGED
 from ..journal.controller import ControllerJournal
 from ..journal.dump import DumpJournal
 from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLAN, ROW_LOG_UNITS,
                             MetaChange)
-from ..paths import find_dump_journal
+from ..layout.paths import find_dump_journal
 from ..plan import RestorePlan
 from ..wire import codec
 from .kv import plan_by_unit

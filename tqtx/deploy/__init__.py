@@ -7,7 +7,8 @@
 * :mod:`.initconfig` -- the config ``tq.init(config)`` takes (tqtx's or TransferQueue's).
 
 The process plumbing the servers share with this package (command lines, the ready
-announcement, the parent watch) is :mod:`tqtx.proc`; Ray placement is :mod:`tqtx.placement`.
+announcement, the parent watch) is :mod:`tqtx.process.servers`; Ray placement is
+:mod:`tqtx.placement`.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Mapping
 
 from .. import durability as dur
-from ..validate import (Address, Choice, Flag, Kind, Number, PathArg, Refused, Text, shown)
+from ..arguments.kinds import Address, Choice, Flag, Kind, Number, PathArg, Refused, Text, shown
 
 log = logging.getLogger("tqtx.init")
 
@@ -213,7 +213,8 @@ def resolve(config) -> dict:
         ignored.append("backend")
     controller = raw.get("controller")
     if isinstance(controller, dict):
-        # polling_mode: get_meta returns at once when too few samples are ready (tqtx.dataplane)
+        # polling_mode: get_meta returns at once when too few samples are ready
+        # (tqtx.compat.dataplane)
         if controller.get("polling_mode") is not None:
             out.setdefault("polling_mode", bool(controller["polling_mode"]))
         sampler = controller.get("sampler")

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 
-from .. import paths
+from ..layout import paths
 from ..errors import StateDirInUseError, TqtxError
-from ..proc import controller_command, stop_child, unit_command
+from ..process.servers import controller_command, stop_child, unit_command
 
 log = logging.getLogger("tqtx.deploy")
 

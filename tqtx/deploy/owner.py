@@ -18,9 +18,9 @@ import socket
 import threading
 import time
 
-from .. import fsutil, paths
+from ..layout import fsutil, paths
 from ..errors import TqtxError
-from ..pids import process_alive, process_started  # noqa: F401  (owner.process_started)
+from ..process.pids import process_alive, process_started  # noqa: F401  (owner.process_started)
 
 log = logging.getLogger("tqtx.owner")
 
@@ -89,7 +89,7 @@ def write_record(state_dir: str, record: dict) -> None:
 
 def _deployment_curve(dep) -> tuple[bool, str | None, str | None]:
     """(uses CURVE, server public key, keys dir) as the deployment's processes decide it."""
-    from .. import security
+    from ..wire import security
 
     forced = dep.env.get("TQTX_CURVE") == "1"
     if not (forced or not security.is_loopback(dep.host)):
@@ -169,7 +169,7 @@ def record_curve(rec: dict, cfg: dict):
     """The client socket configurator for the recorded deployment (None: plain)."""
     if not rec.get("curve"):
         return None
-    from ..security import client_curve_for
+    from ..wire.security import client_curve_for
     return client_curve_for(rec["state_dir"], server_key=cfg.get("server_key") or rec["server_key"],
                             keys_dir=cfg.get("keys_dir") or rec.get("keys_dir"),
                             client_key_file=cfg.get("client_key"))

@@ -12,14 +12,15 @@ import os
 import shutil
 import time
 
-from .. import faults, fsutil, paths, routing
+from .. import faults, routing
+from ..layout import fsutil, paths
 from .. import format as fmt
-from ..publish import Publication, check_publish_target, dump_lock, recover_publications
+from ..journal.publish import Publication, check_publish_target, dump_lock, recover_publications
 from ..errors import (CheckpointBusyError, ControllerRecoveringError, DumpFormatError,
                       DumpNotFoundError, RestorePendingError, TqtxError)
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
 from ..journal.dump import DumpJournal
-from ..arguments import check_snapshot_names
+from ..arguments.table import check_snapshot_names
 from ..version import __version__
 from ..wire.codec import packb, unpackb
 from ..wire.columns import pack_int64

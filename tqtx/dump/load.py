@@ -12,18 +12,19 @@ import logging
 import os
 import time
 
-from .. import faults, paths, routing
+from .. import faults, routing
+from ..layout import paths
 from .. import format as fmt
 from .. import states as st
 from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
-from ..gcpause import gc_paused
+from ..client.gcpause import gc_paused
 from ..journal.dump import DumpJournal
-from ..paths import controller_journal_path, controller_running
+from ..layout.paths import controller_journal_path, controller_running
 from ..plan import BeginRow, LoadItem
 from ..schema import validate_row
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
-from ..publish import dump_lock, open_recovery_journal, recover_publications
+from ..journal.publish import dump_lock, open_recovery_journal, recover_publications
 
 log = logging.getLogger("tqtx.restore")
 
@@ -40,7 +41,7 @@ def _pending(rec: dict, reason: str, what: str = "") -> RestorePendingError:
 
 
 def _controller_alive(state_dir: str | None) -> bool | None:
-    """Is a controller holding ``state_dir`` (:func:`tqtx.paths.controller_running`)? None
+    """Is a controller holding ``state_dir`` (:func:`tqtx.layout.paths.controller_running`)? None
     when that journal does not exist, or its lock cannot be opened: cannot tell."""
     if not state_dir or not controller_journal_path(state_dir).exists():
         return None
@@ -76,7 +77,8 @@ def settle_reader(client, journal: DumpJournal, dump_dir: str, row: dict, *, act
 def _mark_dump_journal(dump_dir: str, rid: str, state: str, state_dir: str | None = None,
                        journal: DumpJournal | None = None) -> None:
     # Without state_dir, a read-only dump's records are where this process put them before
-    # (tqtx.paths.records_location remembers it). ``journal``: that dump journal, still open.
+    # (tqtx.layout.paths.records_location remembers it). ``journal``: that dump journal, still
+    # open.
     with dump_lock(dump_dir, state_dir=state_dir):
         dj = journal if journal is not None else DumpJournal(dump_dir, state_dir=state_dir)
         try:
@@ -108,7 +110,7 @@ def _finish(client, rid: str, *, commit: bool, cancel: bool = False, reason: str
 
 
 @gc_paused  # per-row lists and dicts, no cycles: a full collection here walked torch's
-#             objects (≈0.2 s inside a process's first 256 MiB restore; see tqtx.gcpause)
+#             objects (≈0.2 s inside a process's first 256 MiB restore; see tqtx.client.gcpause)
 def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
                      via: str = "units") -> dict:
     """See :func:`tqtx.load_data_by_key`."""

@@ -2,7 +2,7 @@
 
 The controller describes the rows (metadata only); each owner unit snapshots its rows
 and writes one shard and its index; the client writes the row index and manifest and
-publishes the staging directory crash-safely (see :mod:`tqtx.publish`).
+publishes the staging directory crash-safely (see :mod:`tqtx.journal.publish`).
 """
 from __future__ import annotations
 
@@ -11,21 +11,22 @@ import shutil
 import threading
 import time
 
-from .. import faults, paths, routing
+from .. import faults, routing
+from ..layout import paths
 from .. import format as fmt
 from .. import states as st
 from ..client.fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..client.get_path import read_rows
 from ..errors import StaleRowsError
-from ..gcpause import gc_paused
+from ..client.gcpause import gc_paused
 from ..journal.dump import DumpJournal
-from ..arguments import DUMP_KEYS, check_keys
-from ..validate import check_utf8
+from ..arguments.table import DUMP_KEYS, check_keys
+from ..arguments.kinds import check_utf8
 from ..version import __version__
 from ..wire.columns import NUMPY_DTYPE, unpack_int64
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
-from ..publish import Publication, check_publish_target, dump_lock, recover_publications
+from ..journal.publish import Publication, check_publish_target, dump_lock, recover_publications
 
 log = logging.getLogger("tqtx.dump")
 
@@ -131,7 +132,7 @@ def check_no_reader(client, journal: DumpJournal, dump_dir: str) -> None:
         settle_reader(client, journal, dump_dir, row, action="a dump replacing it")
 
 
-@gc_paused  # per-row objects, no cycles (see tqtx.gcpause)
+@gc_paused  # per-row objects, no cycles (see tqtx.client.gcpause)
 def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str = "units",
                      block: bool = True):
     """See :func:`tqtx.dump_data_by_key`."""

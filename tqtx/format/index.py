@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tqtx import fsutil
-from tqtx.paths import DUMP_MANIFEST, ROW_INDEX
+from tqtx.layout import fsutil
+from tqtx.layout.paths import DUMP_MANIFEST, ROW_INDEX
 from tqtx.schema import field_schema_problem
 from tqtx.wire import codec
 

@@ -7,8 +7,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from tqtx import faults, fsutil
-from tqtx.paths import SHARDS_DIR, shard_file_name, shard_index_name  # noqa: F401 (re-exported)
+from tqtx import faults
+from tqtx.layout import fsutil
+from tqtx.layout.paths import SHARDS_DIR, shard_file_name, shard_index_name  # noqa: F401 (re-exported)
 from tqtx.errors import DumpFormatError
 
 from .records import RecordEncoder, checksum, decode_record, encode_record_parts, file_error

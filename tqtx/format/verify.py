@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tqtx import fsutil
+from tqtx.layout import fsutil
 from tqtx.errors import DumpFormatError
 from tqtx.schema import validate_row
 from tqtx.wire.values import RawTensor

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from .. import states as st
-from ..paths import controller_journal_path
+from ..layout.paths import controller_journal_path
 from ..states import IllegalTransition, check
 from .base import (_Journal, insert_row, journal_writes, restores_newest_first, select_rows,
                    sql_marks, utcnow)

@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DatabaseError
 
 from .. import states as st
-from ..paths import records_location
+from ..layout.paths import records_location
 from ..states import IllegalTransition, check
 from .base import (_Journal, insert_row, journal_writes, open_error, restores_newest_first,
                    select_rows, sql_marks, utcnow)
@@ -41,7 +41,7 @@ class DumpJournal(_Journal):
                  state_dir: str | os.PathLike | None = None, path: str | os.PathLike | None = None,
                  readonly: bool = False):
         """Open (creating) the journal of ``dump_dir``: ``path`` if given, else where
-        :func:`tqtx.paths.records_location` puts it (beside the dump, or in ``state_dir``
+        :func:`tqtx.layout.paths.records_location` puts it (beside the dump, or in ``state_dir``
         for a dump on read-only storage). ``readonly``: an existing journal, read without
         waiting for a writer (never created, migrated or written)."""
         self.dump_dir = Path(os.path.abspath(os.fspath(dump_dir)))

@@ -21,7 +21,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from ..paths import migrate_lock_path
+from ..layout.paths import migrate_lock_path
 
 CONTROLLER = "controller"
 DUMP = "dump"

@@ -30,9 +30,9 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .. import paths
+from ..layout import paths
 from ..errors import StateDirInUseError, TqtxError
-from ..proc import controller_command, unit_command
+from ..process.servers import controller_command, unit_command
 from .plan import RayPlacementError, node_label, plan_units
 from .ray_host import ServerHost, read_key_files
 
@@ -57,7 +57,7 @@ def default_name() -> str:
 def _curve_keys(cfg: dict, state_dir: str, wanted: bool) -> dict | None:
     """The key files every server gets: the state dir's (or ``keys_dir``'s) keys if it has
     some, else fresh keys made for this deployment when CURVE is ``wanted``, else None."""
-    from .. import security
+    from ..wire import security
     keys_dir = cfg.get("keys_dir") or security.keys_dir_for(state_dir)
     if keys_dir and security.has_server_keys(keys_dir):
         return read_key_files(keys_dir)
@@ -88,7 +88,7 @@ def record_curve(rec: dict):
     """The client socket configurator for a recorded Ray deployment (None: plain)."""
     if not rec.get("curve"):
         return None
-    from ..security import _client_configurator
+    from ..wire.security import _client_configurator
     return _client_configurator(rec["server_key"].encode(), rec["client_public"].encode(),
                                 rec["client_secret"].encode())
 
@@ -190,7 +190,7 @@ class RayDeployment(_RayTopology):
             plan = plan_units(ray.nodes(), num_units, self.resource, self.num_cpus)
             here = ray.get_runtime_context().get_node_id()
             ips = {n.get("NodeManagerAddress") for n in plan} | {_node_ip(here)}
-            from ..security import is_loopback
+            from ..wire.security import is_loopback
             self.curve = env.get("TQTX_CURVE") == "1" or not all(is_loopback(ip or "") for ip in ips)
             key_files = _curve_keys(cfg, self.state_dir, self.curve)
             self.curve = key_files is not None and (self.curve or bool(cfg.get("keys_dir")))

@@ -5,7 +5,7 @@ ordinary ``python -m tqtx.controller`` / ``python -m tqtx.storage`` process (tor
 Ray-free), started by the actor with the read end of a pipe whose write end only the
 actor holds. When the actor's worker process ends for any reason (``ray.kill``, its
 owner -- the creating driver -- exiting or being killed, its node leaving the cluster),
-the pipe closes and the server exits (:func:`tqtx.proc.watch_parent`), exactly like the
+the pipe closes and the server exits (:func:`tqtx.process.servers.watch_parent`), exactly like the
 children of the embedded deployment.
 
 The controller's actor is also the deployment's discovery record: a named actor in the
@@ -88,7 +88,7 @@ class ServerHost:
 
     def stop(self, graceful: bool = True, timeout: float = 10.0) -> int | None:
         """Stop the server (SIGTERM, then SIGKILL); returns its exit code."""
-        from ..proc import stop_child
+        from ..process.servers import stop_child
 
         proc, self.proc = self.proc, None
         rc = None if proc is None else stop_child(proc, graceful=graceful, timeout=timeout)

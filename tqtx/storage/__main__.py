@@ -18,10 +18,10 @@ def main(argv=None) -> int:
     ap.add_argument("--parent-fd", type=int, default=-1)
     ap.add_argument("--log-file", default=None)
     args = ap.parse_args(argv)
-    from ..proc import announce, setup_logging, stop_on_signals, watch_parent
+    from ..process.servers import announce, setup_logging, stop_on_signals, watch_parent
     watch_parent(args.parent_fd)
     setup_logging(log_file=args.log_file, name=f"unit-{args.unit_id}")
-    from ..security import client_curve_for, server_curve_for
+    from ..wire.security import client_curve_for, server_curve_for
     try:
         from .logdir import row_log_options
         from .unit import StorageUnit

@@ -16,7 +16,7 @@ from typing import Callable
 
 import filelock
 
-from .. import fsutil
+from ..layout import fsutil
 from ..errors import DumpFormatError
 from ..format import rowlog as fl
 from .rows import drop_from, store_into
@@ -111,7 +111,7 @@ def row_log_options(unit_id: int, state_dir: str | None) -> dict:
     ``$TQTX_FLUSH_INTERVAL_S``): ``log_dir`` None unless ``buffer`` or ``sync``, then this
     unit's directory under ``$TQTX_UNIT_DATA_DIR``, else under ``<state dir>/units``."""
     from .. import durability as dur
-    from ..paths import unit_data_root
+    from ..layout.paths import unit_data_root
     setting, interval = dur.from_env()
     if setting not in dur.LOGGED:
         return {"log_dir": None, "sync": False, "flush_interval": interval}

@@ -39,7 +39,8 @@ import threading
 import time
 from typing import Callable
 
-from .. import faults, fsutil
+from .. import faults
+from ..layout import fsutil
 from ..format import rowlog as fl
 from ..format.records import RecordEncoder
 from .logdir import LogDir

@@ -20,7 +20,7 @@ import zmq
 
 from .. import faults
 from ..errors import ControllerRecoveringError, RestorePendingError, StaleRowsError
-from ..logutil import Throttle, log_throttled
+from ..process.logutil import Throttle, log_throttled
 from ..metrics import Metrics, frames_nbytes
 from .codec import CodecError, decode, encode
 from .errors import error_payload

@@ -35,8 +35,8 @@ import secrets
 import shutil
 import threading
 
-from .. import fsutil
-from ..pids import process_alive, process_started
+from ..layout import fsutil
+from ..process.pids import process_alive, process_started
 from . import vmcopy
 from .columns import unpack_int64
 

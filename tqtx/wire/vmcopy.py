@@ -1,11 +1,11 @@
 """Copy byte buffers of this process into another process's memory (Linux
 ``process_vm_writev``), for same-host gets (see :mod:`tqtx.wire.shm`).
 
-One system call moves up to ``IOV_MAX`` (:mod:`tqtx.fsutil`) buffers, each to its own address, straight from the
-buffers' memory: no staging copy here, and the kernel faults the target's fresh pages in as
-it copies. The kernel allows it when the caller may ptrace the target (same user, and
-Yama's ``ptrace_scope`` or a seccomp profile may still refuse: :func:`write` then raises
-``PermissionError``).
+One system call moves up to ``IOV_MAX`` (:mod:`tqtx.layout.fsutil`) buffers, each to its own
+address, straight from the buffers' memory: no staging copy here, and the kernel faults the
+target's fresh pages in as it copies. The kernel allows it when the caller may ptrace the
+target (same user, and Yama's ``ptrace_scope`` or a seccomp profile may still refuse:
+:func:`write` then raises ``PermissionError``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import ctypes.util
 import os
 from array import array
 
-from ..fsutil import IOV_MAX
+from ..layout.fsutil import IOV_MAX
 
 
 class _PyBuffer(ctypes.Structure):

@@ -23,10 +23,10 @@ import os
 import time
 import weakref
 
-from .client.batchmeta import BatchMeta
-from .arguments import ANY_KEYS, check_keys
+from ..client.batchmeta import BatchMeta
+from ..arguments.table import ANY_KEYS, check_keys
 
-log = logging.getLogger("tqtx.dataplane")
+log = logging.getLogger("tqtx.compat.dataplane")
 
 INSERT_MODE = ("TransferQueue's insert mode (put without metadata, get_meta(mode='insert')) "
                "makes rows without keys; every tqtx row has a key: put new rows with "
@@ -50,10 +50,10 @@ def list_lost_keys(partition_id: str | None = None) -> dict:
     (their unit restarted without them) while the deployment runs. kv_list leaves them
     out and kv_batch_get of one raises RowsLostError; put them again (re-generate them),
     restore a dump that holds them, or kv_clear them."""
-    from . import api
-    from .arguments import check_call
+    from .. import api
+    from ..arguments.table import check_call
     check_call("list_lost_keys", locals())
-    from .client.tensors import decode_object
+    from ..client.tensors import decode_object
     raw = api._client_of().call_controller("LIST", {"partition_id": partition_id, "lost": True},
                                            what="listing lost keys")
     return {pid: {k: {**v, "tag": decode_object(v["tag"])} for k, v in keys.items()}
@@ -77,7 +77,7 @@ def _field_schema(schemas: dict, fields) -> dict:
 
 
 def _batch(pid: str, res: dict, fields, produced) -> BatchMeta:
-    from .client.tensors import decode_object
+    from ..client.tensors import decode_object
     n = len(res["indexes"])
     return BatchMeta(res["indexes"], [pid] * n, _field_schema(res["schemas"], fields),
                      [1 if p else 0 for p in produced],
@@ -140,7 +140,7 @@ class DataPlaneClient:
             raise RuntimeError(str(exc)) from None
 
     def kv_list(self, partition_id: str | None = None) -> dict:
-        from . import api
+        from .. import api
         return api.kv_list(partition_id)
 
     def _keys_of(self, meta: BatchMeta, positions: list[int], pid: str) -> list[str]:
@@ -185,7 +185,7 @@ class DataPlaneClient:
         """Write ``data`` (a TensorDict, one row per sample of ``metadata``) to those samples,
         with ``metadata``'s custom_meta as their tags; returns ``metadata`` with the new
         fields added."""
-        from . import api
+        from .. import api
         api._refuse_data_parser(data_parser)
         if metadata is None:
             if partition_id is None:
@@ -203,8 +203,8 @@ class DataPlaneClient:
     def get_data(self, metadata: BatchMeta):
         """The rows of ``metadata``'s samples and fields, in its order (a field not
         produced for one of them is a FieldsNotFoundError)."""
-        from .client import semantics
-        from .client.tensors import TensorDict
+        from ..client import semantics
+        from ..client.tensors import TensorDict
         if not metadata or metadata.size == 0 or not metadata.field_names:
             log.warning("get_data: an empty BatchMeta; returning an empty TensorDict")
             return TensorDict({}, batch_size=[0])
@@ -218,7 +218,7 @@ class DataPlaneClient:
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         """Store ``metadata``'s custom_meta as its samples' tags (merged into them, as
         kv_batch_put's tags are)."""
-        from . import api
+        from .. import api
         if metadata.size == 0:
             return
         for pid, positions in self._by_partition(metadata).items():
@@ -226,7 +226,7 @@ class DataPlaneClient:
                              tags=[metadata.custom_meta[i] for i in positions])
 
     def clear_samples(self, metadata: BatchMeta) -> None:
-        from . import api
+        from .. import api
         if metadata.size == 0:
             log.warning("clear_samples: an empty BatchMeta; nothing to clear")
             return
@@ -235,7 +235,7 @@ class DataPlaneClient:
 
     def clear_partition(self, partition_id: str) -> None:
         """Clear every key of the partition (lost ones too)."""
-        from . import api
+        from .. import api
         keys = list(api.kv_list(partition_id).get(partition_id, {}))
         keys += list(api.list_lost_keys(partition_id).get(partition_id, {}))
         if not keys:
@@ -311,7 +311,7 @@ def _rows(data, positions: list[int]):
 
 def _merge(parts: dict, groups: dict, n: int, fields: list[str]):
     """One batch, in request order, of the per-partition batches ``parts``."""
-    from .client.tensors import NonTensorStack, TensorDict, pack_tensor_rows
+    from ..client.tensors import NonTensorStack, TensorDict, pack_tensor_rows
     out = {}
     for f in fields:
         rows = [None] * n

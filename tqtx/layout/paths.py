@@ -12,7 +12,7 @@ and ``.index``. In a state dir: ``journal.sqlite``, ``controller.lock``,
 ``logs/controller.log`` and ``logs/unit-<k>.log``, and, for dumps on read-only storage,
 ``dumps/<sha256>.lock`` and ``dumps/<sha256>.journal.sqlite`` (see :func:`records_location`).
 
-What tqtx may replace is decided by :func:`tqtx.publish.check_publish_target` from these
+What tqtx may replace is decided by :func:`tqtx.journal.publish.check_publish_target` from these
 names and the dump journal.
 
 A torch-free leaf module: it imports nothing from tqtx.
@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 
-log = logging.getLogger("tqtx.paths")
+log = logging.getLogger("tqtx.layout.paths")
 
 DUMP_MANIFEST = "dump_info.json"
 ROW_INDEX = "rows.msgpack"

@@ -34,7 +34,7 @@ import os
 import shutil
 import threading
 
-log = logging.getLogger("tqtx.security")
+log = logging.getLogger("tqtx.wire.security")
 
 KEYS_SUBDIR = "keys"
 AUTHORIZED_SUBDIR = "authorized"

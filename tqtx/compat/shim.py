@@ -26,7 +26,7 @@ HEADER = "# transfer_queue is tqtx here: made by `tqtx shim install`"
 INIT = HEADER + ''' (tqtx {version}).
 # `tqtx shim remove` deletes it. See tqtx's docs/compatibility.md.
 """``import transfer_queue`` gives tqtx's names (tqtx's transfer_queue shim)."""
-from tqtx.shim import check_no_transferqueue as _check
+from tqtx.compat.shim import check_no_transferqueue as _check
 
 _check(__file__)
 
@@ -93,7 +93,7 @@ def _ours(pkg: Path) -> dict | None:
 
 def install(target: Path | None = None) -> Path:
     """Write the shim package into ``target``; returns its directory."""
-    from . import __version__
+    from .. import __version__
     target = Path(target) if target is not None else default_target()
     dist = real_transferqueue([target])
     if dist is not None:

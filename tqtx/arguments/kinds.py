@@ -2,7 +2,7 @@
 kinds: text, keys, paths, numbers, flags, dicts, fields ...) and the message a refused value
 gets (``TypeError`` for a wrong type, ``ValueError`` for a right type with a wrong value,
 naming the function, the argument, what it got and what it accepts); UTF-8 checks of
-strings. The table of which function takes which kind is :mod:`tqtx.arguments`; the keys of
+strings. The table of which function takes which kind is :mod:`tqtx.arguments.table`; the keys of
 ``tq.init``'s config are checked with the same kinds in :mod:`tqtx.deploy.initconfig`.
 
 A torch-free leaf (standard library only): a TensorDict is recognised by its type's module.

@@ -11,7 +11,7 @@ Only what tqtx can prove it made is ever renamed or deleted: the dump it replace
 tqtx dump of the same kind or an empty directory (:func:`check_publish_target`,
 re-checked in :meth:`Publication.commit`), and a ``.old`` or staging directory is touched
 only when a publication row of the journal accounts for it. Sibling names live in
-:mod:`tqtx.paths` and are re-exported here.
+:mod:`tqtx.layout.paths` and are re-exported here.
 """
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from . import faults, paths
-from . import states as st
-from .errors import ReadOnlyDumpError, TargetNotADumpError
-from .fsutil import fsync_dir, fsync_tree
-from .journal.dump import DumpJournal
-from .paths import old_path, staging_path
+from .. import faults
+from ..layout import paths
+from .. import states as st
+from ..errors import ReadOnlyDumpError, TargetNotADumpError
+from ..layout.fsutil import fsync_dir, fsync_tree
+from .dump import DumpJournal
+from ..layout.paths import old_path, staging_path
 
 __all__ = ["Publication", "check_publish_target", "dump_lock", "publish_dir_size",
            "recover_publications"]
@@ -102,7 +103,7 @@ def dump_lock(dump_dir: str | os.PathLike, timeout: float | None = None, *,
     """File lock on ``<dump_dir>.lock`` serializing publication and recovery of a dump.
 
     For a dump on read-only storage the lock lives in ``state_dir`` instead (see
-    :func:`tqtx.paths.records_location`); without one that raises ReadOnlyDumpError.
+    :func:`tqtx.layout.paths.records_location`); without one that raises ReadOnlyDumpError.
     ``timeout=None`` waits forever. Note: two FileLock objects for the same path in one
     process do not share ownership; do not nest acquisitions of the same dump.
     """

@@ -92,7 +92,7 @@ def announce(obj: dict) -> None:
 def setup_logging(level: str | None = None, log_file: str | None = None, name: str = "") -> None:
     """stderr gets ``TQTX_LOG_LEVEL`` (WARNING); the log file gets at least INFO from ``tqtx.*``
     (``TQTX_LOG_FILE_LEVEL``, default INFO), so dump/restore lines always reach the file.
-    Neither floods when it cannot be written (a full disk: :mod:`tqtx.logutil`)."""
+    Neither floods when it cannot be written (a full disk: :mod:`tqtx.process.logutil`)."""
     from .logutil import DiskSafeFileHandler, QuietStreamHandler
     level = (level or os.environ.get("TQTX_LOG_LEVEL", "WARNING")).upper()
     stderr = QuietStreamHandler(sys.stderr)

@@ -7,17 +7,17 @@ whose message names the function, the argument, what it got and what it accepts.
 TransferQueue 0.1.11 accepts a shape it is accepted exactly (``keys``: one str or a list of
 str; ``select_fields``: a str or a list of str; ``conf``: a dict or a DictConfig); anything
 else is refused (docs/compatibility.md, *Arguments*). The keys of ``tq.init``'s config are
-checked with the same kinds (:mod:`tqtx.validate`) in :mod:`tqtx.deploy.initconfig`.
+checked with the same kinds (:mod:`tqtx.arguments.kinds`) in :mod:`tqtx.deploy.initconfig`.
 
-Torch-free (standard library and :mod:`tqtx.validate` only).
+Torch-free (standard library and :mod:`tqtx.arguments.kinds` only).
 """
 from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
 
-from .validate import (Address, Choice, Config, Dict, Fields, Flag, JsonDict, Keys, Kind, Maybe,
-                       Meta, Parser, PathArg, Tags, Text, is_tensordict, shown)
+from .kinds import (Address, Choice, Config, Dict, Fields, Flag, JsonDict, Keys, Kind, Maybe, Meta,
+                    Parser, PathArg, Tags, Text, is_tensordict, shown)
 
 
 # --------------------------------------------------------------------------- the table
@@ -131,7 +131,7 @@ def check_snapshot_names(snapshot, source: str) -> None:
     its partitions and keys with str, as every path that creates them does: else
     DumpFormatError naming ``source`` and the first that is not (a checkpoint written by a
     tqtx that let ``load_data_by_key(partition_id=5)`` through)."""
-    from .errors import DumpFormatError
+    from ..errors import DumpFormatError
     parts = snapshot.get("partitions") if isinstance(snapshot, Mapping) else None
     if not isinstance(parts, Mapping):
         raise DumpFormatError(f"{source}: no partitions map in the metadata")

@@ -1,0 +1,8 @@
+"""Where tqtx's files are and how they reach the disk (a torch-free leaf: it imports nothing
+from tqtx).
+
+* :mod:`.paths` -- every file name tqtx uses beside a dump, inside a dump or checkpoint, and
+  in a state dir, and the probes on them (is a controller running, what may be replaced).
+* :mod:`.fsutil` -- durable file I/O: fsync helpers, the fsynced small-file writer, writev and
+  pread loops.
+"""
