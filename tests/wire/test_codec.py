@@ -6,9 +6,10 @@ import pickle
 import msgpack
 import pytest
 
-from tqtx.wire.codec import (EXT_TENSOR_FRAME, EXT_TENSOR_INLINE, INLINE_LIMIT, CodecError,
-                             decode, encode, packb, unpackb)
-from tqtx.wire.values import DTYPE_SIZES, RawTensor, value_nbytes
+from tqtx.wire.codec import (EXT_TENSOR_COLUMN, EXT_TENSOR_FRAME, EXT_TENSOR_INLINE,
+                             INLINE_LIMIT, CodecError, decode, encode, packb, unpackb)
+from tqtx.wire.columns import rows_of_columns
+from tqtx.wire.values import DTYPE_SIZES, RawTensor, TensorColumn, value_nbytes
 
 
 def _frames_as_bytes(frames):
@@ -165,6 +166,65 @@ def test_malformed_tensor_ext_payload():
         [1, [4], b"\x00" * 4], use_bin_type=True)), use_bin_type=True)
     with pytest.raises(CodecError):
         decode([bad2])
+
+
+def _column_rows():
+    big = bytearray(range(256)) * ((INLINE_LIMIT // 256) + 2)
+    return [RawTensor("int32", (3,), bytes(range(12))),
+            RawTensor("int32", (len(big) // 4,), memoryview(big)),
+            RawTensor("int32", (0,), b""),
+            RawTensor("int32", (2, 2), bytes(range(100, 116)))]
+
+
+def test_tensor_column_round_trips_as_its_rows():
+    rows = _column_rows()
+    frames = encode({"cols": {"x": TensorColumn("int32", rows)}, "n": 4})
+    assert len(frames) == 2  # the header, and one frame: the row over INLINE_LIMIT
+    out = decode(_frames_as_bytes(frames))
+    assert out["n"] == 4 and out["cols"]["x"] == rows
+    small = out["cols"]["x"][0]
+    assert type(small.data) is bytes and len(small.data) == 12  # owns exactly its bytes
+    assert unpackb(packb(TensorColumn("int32", rows))) == rows  # self-contained form
+
+
+def test_tensor_column_of_rows_needs_one_dtype():
+    rows = _column_rows()
+    assert TensorColumn.of_rows(rows).rows is rows
+    assert TensorColumn.of_rows(rows + [RawTensor("int64", (1,), bytes(8))]) is None
+    assert TensorColumn.of_rows(rows + ["text"]) is None
+    assert TensorColumn.of_rows([]) is None
+
+
+def _bad_column(payload) -> bytes:
+    return msgpack.packb(msgpack.ExtType(EXT_TENSOR_COLUMN, msgpack.packb(
+        payload, use_bin_type=True)), use_bin_type=True)
+
+
+@pytest.mark.parametrize("payload, frames, match", [
+    (["float128", [[1]], [0], b"\x00"], [], "unknown dtype"),
+    (["uint8", [[2]], [0, 0], b"\x00\x00"], [], "malformed tensor column header"),
+    (["uint8", [[-1]], [0], b""], [], "malformed shape"),
+    (["uint8", [[4]], [0], b"\x00\x00"], [], "more bytes"),
+    (["uint8", [[1]], [0], b"\x00\x00"], [], "left over"),
+    (["uint8", [[4]], [1], b""], [], "missing or not of its 4 bytes"),
+    (["uint8", [[4]], [1], b""], [b"abc"], "missing or not of its 4 bytes"),
+    (["uint8", [[4]], [-1], b""], [b"abcd"], "missing or not"),
+    (b"\x01", [], "malformed tensor column"),
+])
+def test_hostile_tensor_columns_are_refused(payload, frames, match):
+    header = (_bad_column(payload) if isinstance(payload, list) else
+              msgpack.packb(msgpack.ExtType(EXT_TENSOR_COLUMN, payload), use_bin_type=True))
+    with pytest.raises(CodecError, match=match):
+        decode([header, *frames])
+
+
+def test_rows_of_columns_checks_every_field_has_every_row():
+    assert rows_of_columns([7, 9], {"a": [1, 2], "b": ["x", "y"]}) == [
+        (7, {"a": 1, "b": "x"}), (9, {"a": 2, "b": "y"})]
+    with pytest.raises(ValueError, match="field 'b' has 1 rows for 2 indexes"):
+        rows_of_columns([7, 9], {"a": [1, 2], "b": ["x"]})
+    with pytest.raises(ValueError, match="idx must be a list"):
+        rows_of_columns(None, {})
 
 
 def test_codec_error_is_value_error():

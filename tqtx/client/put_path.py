@@ -12,6 +12,7 @@ from .. import faults, routing
 from ..errors import PeerDiedError, PutPartlyAppliedError
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..wire.rpc import new_id
+from ..wire.values import TensorColumn
 
 # Only a controller found gone is waited for: one that is alive but slow (a timeout)
 # is reported as before.
@@ -148,16 +149,19 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     refused: set = set()
     try:
         if columns:
-            names = list(columns)
-            cols = [columns[f] for f in names]
+            # a tensor field's rows travel under one header per unit (TensorColumn)
+            tensor = {f: TensorColumn.of_rows(c) is not None for f, c in columns.items()}
             per_unit: dict[int, dict] = {}
             for u, pos in routing.by_owner(indexes, client.num_units).items():
                 if write is not None:
                     pos = [i for i in pos if i in write]
                     if not pos:
                         continue
-                per_unit[u] = {"rows": [[indexes[i], {f: c[i] for f, c in zip(names, cols)}]
-                                        for i in pos],
+                cols = {}
+                for f, c in columns.items():
+                    rows = [c[i] for i in pos]
+                    cols[f] = TensorColumn(rows[0].dtype, rows) if tensor[f] else rows
+                per_unit[u] = {"idx": [indexes[i] for i in pos], "cols": cols,
                                "gens": [gens[i] for i in pos]}
             replies = client.fan_out("PUT_ROWS", per_unit) if per_unit else {}
             nbytes = sum(r.get("bytes", 0) for r in replies.values())

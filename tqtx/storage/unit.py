@@ -37,6 +37,7 @@ from .checkpoints import UnitCheckpoints
 from .dumps import UnitDumps
 from .memory import free_bytes, own_small_frames
 from .restore import RestoreWorker
+from ..wire.columns import rows_of_columns
 from .replies import into_reply, reply_columns
 from .rowlog import RowLog
 from .rows import drop_from, own_sparse_views, store_into
@@ -229,11 +230,14 @@ class StorageUnit:
         return nbytes
 
     def put_rows(self, body, req):
-        """Store rows (``rows``: ``[index, values]``, ``gens``: the generation of each; see
+        """Store rows (``idx``: their indexes and ``cols``: field -> the rows' values, or
+        ``rows``: ``[index, values]`` each; ``gens``: the generation of each; see
         :meth:`store_row`). Rows refused because the index holds a newer generation (the
         put's key was cleared and the index given to another key since ALLOC) come back as
         ``stale``."""
-        items, want = body["rows"], body["gens"]
+        items, want = body.get("rows"), body["gens"]
+        if items is None:
+            items = rows_of_columns(body["idx"], body["cols"])
         if len(want) != len(items):
             raise ValueError(f"PUT_ROWS: {len(want)} generations for {len(items)} rows")
         store = self.store_row

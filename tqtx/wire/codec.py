@@ -2,19 +2,24 @@
 
 A message is any msgpack-able object in which :class:`RawTensor` values may appear
 anywhere. Each tensor larger than ``INLINE_LIMIT`` bytes travels as its own frame
-(sent without copying); smaller ones are inlined in the header. No pickle, ever:
-an unknown msgpack extension type is refused.
+(sent without copying); smaller ones are inlined in the header. A :class:`TensorColumn`
+(the rows of one field) carries its rows' headers once, as columns, and decodes to the list
+of its rows. No pickle, ever: an unknown msgpack extension type is refused.
 """
 from __future__ import annotations
 
 import gc
+from math import prod
 
 import msgpack
 
-from .values import RawTensor
+from .values import DTYPE_SIZES, RawTensor, TensorColumn
 
 EXT_TENSOR_FRAME = 1   # payload: [dtype, shape, frame_number]
 EXT_TENSOR_INLINE = 2  # payload: [dtype, shape, bytes]
+# payload: [dtype, [shape of each row], [frame number of each row, or 0: in the blob], blob]
+# (the inline rows' bytes joined, in row order)
+EXT_TENSOR_COLUMN = 3
 # libzmq (4.3) receives into shared buffers of ZMQ_IN_BATCH_SIZE and hands out a frame that
 # fits one as a view into it: a receiver keeping such a frame keeps the whole buffer, and
 # the freed buffers leave holes between the frames it keeps (a unit's RSS:
@@ -44,12 +49,63 @@ def encode(obj) -> list:
                 return ext(EXT_TENSOR_INLINE, pack([value.dtype, value.shape, view]))
             frames.append(view)
             return ext(EXT_TENSOR_FRAME, pack([value.dtype, value.shape, len(frames)]))
+        if isinstance(value, TensorColumn):
+            return ext(EXT_TENSOR_COLUMN, pack(_column_payload(value, frames)))
         if isinstance(value, (set, frozenset)):
             return sorted(value)
         raise TypeError(f"cannot encode value of type {type(value).__name__}")
 
     header = msgpack.packb(obj, default=default, use_bin_type=True)
     return [header, *frames]
+
+
+def _column_payload(column: TensorColumn, frames: list) -> list:
+    """EXT_TENSOR_COLUMN's payload; rows over INLINE_LIMIT bytes appended to ``frames``."""
+    shapes, where, small = [], [], []
+    for t in column.rows:
+        view = t.data if type(t.data) is memoryview else memoryview(t.data)
+        shapes.append(t.shape)
+        if view.nbytes <= INLINE_LIMIT:
+            where.append(0)
+            small.append(view)
+        else:
+            frames.append(view)
+            where.append(len(frames))
+    return [column.dtype, shapes, where, b"".join(small)]
+
+
+def _decode_column(payload, buffers: list) -> list:
+    """The rows of an EXT_TENSOR_COLUMN, checked: every row's bytes match its shape; blob
+    rows are copies of their own (a stored row pins no shared buffer), frame rows views."""
+    try:
+        dtype, shapes, where, blob = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise CodecError(f"malformed tensor column: {exc}") from None
+    size = DTYPE_SIZES.get(dtype) if isinstance(dtype, str) else None
+    if size is None:
+        raise CodecError(f"tensor column of unknown dtype {dtype!r}")
+    if (not isinstance(shapes, list) or not isinstance(where, list)
+            or len(shapes) != len(where) or not isinstance(blob, bytes)):
+        raise CodecError("malformed tensor column header")
+    out, at, new, nframes = [], 0, RawTensor.of, len(buffers)
+    for shape, ref in zip(shapes, where):
+        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise CodecError(f"tensor column: malformed shape {shape!r}")
+        shape = tuple(shape)
+        n = prod(shape) * size
+        if ref == 0:
+            if at + n > len(blob):
+                raise CodecError("tensor column: its rows need more bytes than it has")
+            out.append(new(dtype, shape, blob[at:at + n]))
+            at += n
+        elif _is_int(ref) and 1 <= ref < nframes and buffers[ref].nbytes == n:
+            out.append(new(dtype, shape, buffers[ref]))
+        else:
+            raise CodecError(f"tensor column: row refers to frame {ref!r}, missing or not "
+                             f"of its {n} bytes")
+    if at != len(blob):
+        raise CodecError(f"tensor column: {len(blob) - at} bytes left over")
+    return out
 
 
 def decode(frames: list):
@@ -63,6 +119,8 @@ def decode(frames: list):
     buffers = [memoryview(f) for f in frames]
 
     def ext_hook(code, data):
+        if code == EXT_TENSOR_COLUMN:
+            return _decode_column(data, buffers)
         if code not in (EXT_TENSOR_FRAME, EXT_TENSOR_INLINE):
             raise CodecError(f"unknown extension type {code}")
         try:
@@ -109,6 +167,8 @@ def _packb_default(value):
         return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
             [value.dtype, list(value.shape), memoryview(value.data).tobytes()],
             use_bin_type=True))
+    if isinstance(value, TensorColumn):
+        return value.rows
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     raise TypeError(f"cannot encode value of type {type(value).__name__}")

@@ -52,3 +52,18 @@ def unpack_column(col: dict) -> list:
         raise ValueError(f"packed column of {view.nbytes} bytes does not match its "
                          f"{len(shapes)} row shapes ({at} bytes)")
     return out
+
+
+def rows_of_columns(indexes: list, columns: dict) -> list:
+    """``[(index, {field: value})]`` of a put sent as columns (``columns``: field -> the
+    rows' values, in the order of ``indexes``)."""
+    if not isinstance(indexes, list) or not isinstance(columns, dict):
+        raise ValueError("PUT_ROWS: idx must be a list and cols a map of field to rows")
+    names = list(columns)
+    values = [columns[f] for f in names]
+    for f, v in zip(names, values):
+        if not isinstance(v, list) or len(v) != len(indexes):
+            raise ValueError(f"PUT_ROWS: field {f!r} has "
+                             f"{len(v) if isinstance(v, list) else 'no list of'} rows "
+                             f"for {len(indexes)} indexes")
+    return [(idx, dict(zip(names, row))) for idx, *row in zip(indexes, *values)]

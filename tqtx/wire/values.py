@@ -89,6 +89,29 @@ class RawTensor:
         return f"RawTensor({self.dtype}, {list(self.shape)})"
 
 
+class TensorColumn:
+    """The rows of one tensor field of a batch, all of one dtype, encoded under one header
+    (:mod:`tqtx.wire.codec`): a put of thousands of rows then costs one header per field,
+    not one per row and field. It decodes to the plain list of its rows' RawTensors."""
+
+    __slots__ = ("dtype", "rows")
+
+    def __init__(self, dtype: str, rows: list):
+        self.dtype = dtype
+        self.rows = rows
+
+    @staticmethod
+    def of_rows(rows: list):
+        """A TensorColumn of ``rows`` if each is a RawTensor of one dtype, else None."""
+        if not rows or type(rows[0]) is not RawTensor:
+            return None
+        dtype = rows[0].dtype
+        for r in rows:
+            if type(r) is not RawTensor or r.dtype != dtype:
+                return None
+        return TensorColumn(dtype, rows)
+
+
 def value_nbytes(value) -> int:
     """Payload bytes of a stored value (tensor bytes, plus tensors nested in objects)."""
     if isinstance(value, RawTensor):
