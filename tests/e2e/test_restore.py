@@ -10,6 +10,7 @@ import torch
 
 import tqtx as tq
 from buffers import assert_same_rows, assert_same_value, rollout_batch
+from whole_job import kill_whole_job
 from tqtx import RestorePendingError
 from tqtx.errors import PeerDiedError
 from tqtx import format as fmt
@@ -298,7 +299,7 @@ def test_cancelled_restore_late_unit_cannot_write(tq_start, tmp_path):
 
 def test_whole_system_restart_aborts_unresolved_then_load_just_works(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path, delay=30.0)
-    tq.close()  # the whole job dies with the restore unresolved
+    kill_whole_job()  # the whole job dies with the restore unresolved
     cfg2 = tq_start(2, state_dir=cfg["state_dir"])
     rep = tq.load_data_by_key(dump)
     assert rep["keys"] == len(sel) + 1
@@ -313,7 +314,7 @@ def test_whole_system_restart_aborts_unresolved_then_load_just_works(tq_start, t
 def test_unknown_restore_needs_cancel(tq_start, tmp_path):
     import shutil
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path, delay=30.0)
-    tq.close()
+    kill_whole_job()
     shutil.rmtree(cfg["state_dir"])  # the controller journal is lost
     tq_start(2, state_dir=cfg["state_dir"])
     with pytest.raises(RestorePendingError) as ei:

@@ -295,3 +295,11 @@ def test_precompiled_schema_is_create_all_and_at_the_alembic_head(tmp_path, chai
         with DumpJournal(tmp_path / "new") as j:
             assert j.revision() == head_revision("dump")
         assert ddl(dump_journal_path(tmp_path / "new")) == ddl(ref)
+
+
+@pytest.mark.parametrize("chain", ["controller", "dump"])
+def test_precompiled_head_schema_is_what_the_models_compile_to(chain):
+    """tqtx/journal/head_schema.py is regenerated (python -m tqtx.journal.head_schema)
+    whenever the models change."""
+    from tqtx.journal import head_schema
+    assert head_schema.HEAD_SCHEMA_SQL[chain] == head_schema.compiled(chain)

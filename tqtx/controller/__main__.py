@@ -59,4 +59,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..process.servers import exit_now
+    exit_now(main())

@@ -242,22 +242,14 @@ _VERSION_TABLE = ("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NUL
                   "CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num))")
 
 
-@functools.lru_cache(maxsize=None)
 def head_schema_sql(chain: str) -> tuple[str, ...]:
     """The statements creating ``chain``'s head schema, as ``create_all`` of the models
     emits them (tables in dependency order, each followed by its indexes) plus alembic's
-    version table: compiled once per process, so a new journal costs a few plain
-    statements instead of a metadata walk with a reflection query per table."""
-    from sqlalchemy.dialects import sqlite
-    from sqlalchemy.schema import CreateIndex, CreateTable
-
-    dialect = sqlite.dialect()
-    out = []
-    for table in _metadata(chain).sorted_tables:
-        out.append(str(CreateTable(table).compile(dialect=dialect)))
-        out.extend(str(CreateIndex(ix).compile(dialect=dialect))
-                   for ix in sorted(table.indexes, key=lambda ix: ix.name or ""))
-    return (*out, _VERSION_TABLE)
+    version table: precompiled in :mod:`tqtx.journal.head_schema` (checked against the
+    models by a test), so a new journal costs a few plain statements, without importing
+    the ORM or compiling anything."""
+    from .head_schema import HEAD_SCHEMA_SQL
+    return HEAD_SCHEMA_SQL[chain]
 
 
 def warm(chain: str = DUMP) -> None:

@@ -117,3 +117,22 @@ def stop_on_signals(stop) -> None:
         stop()
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+def exit_now(rc: int) -> None:
+    """End a server process. After a clean stop (``rc`` 0: its loop ended, its journal
+    closed, its lock released) skip the interpreter's finalization -- tearing down
+    SQLAlchemy's and tqtx's modules costs a controller ~0.25 s of CPU at every stop and
+    protects no data -- after doing what a normal exit does first: the threading module's
+    shutdown (exit hooks such as concurrent.futures', then non-daemon threads awaited), the
+    logging handlers flushed and closed, stdio flushed. Any other code exits normally."""
+    if rc != 0:
+        sys.exit(rc)
+    threading._shutdown()  # what Py_FinalizeEx runs first (CPython 3.8+)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)

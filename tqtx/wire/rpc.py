@@ -163,7 +163,13 @@ class Server:
         self.metrics.declare((op,))
 
     def stop(self) -> None:
+        """Stop the loop at its next turn; wakes it, so a stop (SIGTERM, SHUTDOWN) does
+        not wait out the loop's idle poll (up to ``poll_ms``)."""
         self._stop = True
+        try:
+            self._wake_up()
+        except zmq.ZMQError:  # the loop already closed its wake socket
+            pass
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the loop thread at its next turn, before it reads more requests.
