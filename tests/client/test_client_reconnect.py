@@ -155,6 +155,7 @@ def test_a_restart_between_put_rows_and_commit_is_redone_or_clear(tq_start, pid,
         assert set(keys) <= set(tq.kv_list(pid)[pid])
 
 
+@pytest.mark.slow
 def test_reconnect_gives_up_after_the_bound_with_a_clear_error(tq_start, pid):
     tq_start(2)
     dep, client = api._deployment_handle(), tq.get_client()
@@ -174,6 +175,7 @@ def test_reconnect_gives_up_after_the_bound_with_a_clear_error(tq_start, pid):
     assert time.monotonic() - t0 < 20
 
 
+@pytest.mark.slow
 def test_a_commit_lost_with_the_controller_names_what_is_uncertain(tq_start, pid):
     tq_start(2, env={"TQTX_FAULTS": "controller.request.COMMIT_PUT:kill"})
     client = tq.get_client()

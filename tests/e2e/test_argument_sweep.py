@@ -218,8 +218,8 @@ def _cases():
     for name, args in ARGUMENTS.items():
         for arg in args:
             out.append((name, arg))
-            if hasattr(api, f"async_{name}"):
-                out.append((f"async_{name}", arg))
+            if hasattr(api, f"async_{name}"):  # the same table's checks: the slow tier
+                out.append(pytest.param(f"async_{name}", arg, marks=pytest.mark.slow))
     return out
 
 

@@ -62,6 +62,7 @@ def test_other_keys_are_served_while_a_dump_is_written(tq_start, tmp_path):
     assert rep["rows_with_data"] == n and fmt.verify_dump(tmp_path / "d")["ok"]
 
 
+@pytest.mark.slow
 def test_unit_crash_mid_background_write_keeps_previous_dump(tq_start, tmp_path):
     tq_start(2, unit_env={1: {"TQTX_FAULTS": "unit.dump.before_write@2:kill"}})
     keys, td, tags = rollout_batch(12)
@@ -79,6 +80,7 @@ def test_unit_crash_mid_background_write_keeps_previous_dump(tq_start, tmp_path)
     assert not [x for x in os.listdir(parent) if ".tmp-" in x or x.endswith(".old")]
 
 
+@pytest.mark.slow
 def test_cancel_and_close_with_outstanding_dumps(tq_start, tmp_path):
     tq_start(2, env={"TQTX_FAULTS": "unit.dump.before_write:delay:2"})
     keys, td, tags = rollout_batch(12)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -55,6 +56,7 @@ def test_close_after_restart_controller_ends_the_buffer(tq_start, tmp_path, capl
     _close_and_check(state, caplog, list(dep.pids.values()))
 
 
+@pytest.mark.slow
 def test_close_after_a_hand_restarted_controller_ends_the_buffer_and_stops_it(tq_start,
                                                                               tmp_path, caplog):
     state = str(tmp_path / "state")

@@ -65,6 +65,7 @@ def _next(results, kind: str, timeout: float = 120.0) -> tuple:
 # eight (each importing torch at once) is the heavier variant, run in the full suite.
 # Eight processes importing torch at once beside the suite's other workers on 2 cores can
 # take two minutes: that case has four.
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [4, pytest.param(8, marks=[pytest.mark.slow,
                                                          pytest.mark.timeout(240)])])
 def test_processes_calling_init_at_once_create_exactly_one(tmp_path, n):
@@ -127,6 +128,7 @@ def test_processes_calling_init_at_once_create_exactly_one(tmp_path, n):
             p.join(10)
 
 
+@pytest.mark.slow
 def test_attached_process_is_told_the_creator_exited(tmp_path, procs, monkeypatch):
     tq.close()
     state = str(tmp_path / "state")
@@ -160,7 +162,8 @@ def test_attached_process_is_told_the_creator_exited(tmp_path, procs, monkeypatc
 
 
 # ---------------------------------------------------------------- stale records
-@pytest.mark.parametrize("what", ["dead-owner", "silent-controller", "garbage"])
+@pytest.mark.parametrize("what", ["dead-owner", pytest.param("silent-controller",
+                                                              marks=pytest.mark.slow), "garbage"])
 def test_stale_owner_record_never_blocks_a_start(tmp_path, monkeypatch, what):
     tq.close()
     monkeypatch.delenv("TQTX_ADDRESS", raising=False)
@@ -242,6 +245,7 @@ def test_close_of_the_creator_leaves_no_record_for_a_later_init(tmp_path, monkey
 
 
 # ---------------------------------------------------------------- CURVE
+@pytest.mark.slow
 def test_bare_init_attaches_to_a_curve_deployment(tmp_path, procs, monkeypatch):
     """The creator forces CURVE; an attacher without TQTX_CURVE learns it from the record
     and authenticates with the state dir's client key."""

@@ -31,6 +31,7 @@ def test_demo_small(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_demo_keep_then_verify(tmp_path):
     dump = tmp_path / "kept-dump"
     out = _run(["demo", "--samples", "200", "--mb", "4", "--units-before", "3",

@@ -555,6 +555,7 @@ def test_put_clear_cycles_keep_the_journal_flat(tq_start):
 
 
 # --------------------------------------------------------------------------- 8. upgrade
+@pytest.mark.slow
 def test_journal_at_c0002_with_an_unfinished_restore_migrates_and_serves(tq_start, tmp_path):
     from tqtx.journal.migrate import migrate
     from tqtx.layout.paths import controller_journal_path

@@ -168,6 +168,7 @@ def _reap(proc, pids):
 
 
 # ---------------------------------------------------------------- dead peers
+@pytest.mark.slow
 def test_unit_killed_raises_peer_died_quickly(tq_start):
     import torch
     from tensordict import TensorDict

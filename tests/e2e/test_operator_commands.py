@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -29,6 +30,7 @@ def _deployment(tq_start, tmp_path):
     return cfg, api._deployment_handle()
 
 
+@pytest.mark.slow
 def test_stats_with_a_dead_unit_prints_the_rest_and_names_it(tq_start, tmp_path):
     cfg, dep = _deployment(tq_start, tmp_path)
     dead = dep.procs["unit 1"]
@@ -54,6 +56,7 @@ def test_stats_with_a_dead_unit_prints_the_rest_and_names_it(tq_start, tmp_path)
     assert res.stderr.startswith("error: unit 1 at "), res.stderr
 
 
+@pytest.mark.slow
 def test_stats_with_a_dead_controller_names_it(tq_start, tmp_path):
     cfg, dep = _deployment(tq_start, tmp_path)
     dep.procs["controller"].kill()

@@ -92,6 +92,7 @@ def _kill_and_restart(uid: int) -> str:
     return new
 
 
+@pytest.mark.slow
 def test_attached_client_follows_a_unit_restarted_on_a_new_port(tq_start, pid):
     cfg = tq_start(2)
     child = subprocess.Popen([sys.executable, "-c", _ATTACHED, cfg["address"], pid],
@@ -124,6 +125,7 @@ def test_attached_client_follows_a_unit_restarted_on_a_new_port(tq_start, pid):
 
 
 # ---------------------------------------------------------------- item 5
+@pytest.mark.slow
 def test_controller_killed_mid_restore_is_noticed_with_what_to_do(tq_start, tmp_path, pid):
     cfg = tq_start(2, timeout=60,
                    unit_env={0: {"TQTX_FAULTS": "unit.load.after_read_batch@1:delay:5"}})

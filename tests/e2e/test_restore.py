@@ -58,10 +58,11 @@ def make_dump(tq_start, tmp_path, n=24, units=4, select=None):
     return sel, ref, reftags, tmp_path / "dump"
 
 
-# Fewer and more units after than before run in the quick tier; the other two shapes
-# (same count, growing from two) in the full suite.
+# Fewer units after than before runs in the quick tier; the other shapes (more, the same
+# count, growing from one and from two) in the full suite.
 @pytest.mark.parametrize("before,after", [(4, 2), pytest.param(2, 4, marks=pytest.mark.slow),
-                                          pytest.param(3, 3, marks=pytest.mark.slow), (1, 4)])
+                                          pytest.param(3, 3, marks=pytest.mark.slow),
+                                          pytest.param(1, 4, marks=pytest.mark.slow)])
 def test_restore_across_unit_counts_round_trips_exactly(tq_start, tmp_path, before, after):
     sel, ref, reftags, dump = make_dump(tq_start, tmp_path, units=before)
     cfg = tq_start(after)
@@ -197,7 +198,7 @@ def test_incompatible_schema_is_refused_before_anything(tq_shared, pid, tmp_path
                  "fault injected at unit.load.after_stage", id="unit.load.after_stage:raise"),
     pytest.param("unit.load.after_claim:kill", PeerDiedError,
                  r"unit 1 at \S+ is gone .* while waiting for the reply to LOAD_ROWS",
-                 id="unit.load.after_claim:kill"),
+                 id="unit.load.after_claim:kill", marks=pytest.mark.slow),
 ])
 def test_unit_failing_mid_load_leaves_no_visible_change(tq_start, tmp_path, fault, error, message):
     sel, ref, reftags, dump = make_dump(tq_start, tmp_path, units=2)
@@ -220,6 +221,7 @@ def test_unit_failing_mid_load_leaves_no_visible_change(tq_start, tmp_path, faul
         assert_same_rows(ref, tq.kv_batch_get(sel, "p"), sel)
 
 
+@pytest.mark.slow
 def test_lost_finish_reply_is_retried_and_publishes_once(tq_start, tmp_path):
     sel, ref, reftags, dump = make_dump(tq_start, tmp_path, units=2)
     cfg = tq_start(2, timeout=3.0, env={"TQTX_FAULTS": "controller.reply.FINISH_RESTORE@1:drop-reply"})
@@ -251,6 +253,7 @@ def _wait_load_replied(unit: int, deadline: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path)
     # blocked while unresolved: new keys, clears, a second load, dump over it, checkpoints
@@ -282,6 +285,7 @@ def test_claimed_unit_outlives_client_timeout_then_recovers(tq_start, tmp_path):
     assert tq.recover_data_load(dump) is True  # nothing pending
 
 
+@pytest.mark.slow
 def test_cancelled_restore_late_unit_cannot_write(tq_start, tmp_path):
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path, delay=4.0)
     assert tq.recover_data_load(dump, cancel=True) is False

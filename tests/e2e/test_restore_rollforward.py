@@ -69,7 +69,8 @@ def crash_one_unit(tq_start, tmp_path, fault: str):
 
 
 @pytest.mark.parametrize("fault", ["unit.request.APPLY_STAGED:kill",
-                                   "unit.apply.after_apply:kill"])
+                                   pytest.param("unit.apply.after_apply:kill",
+                                                marks=pytest.mark.slow)])
 def test_unit_back_empty_is_rolled_forward_from_the_dump(tq_start, tmp_path, fault):
     ref, dump, cfg = crash_one_unit(tq_start, tmp_path, fault)
     assert tq.recover_data_load(dump) is True
@@ -112,7 +113,8 @@ def _repair_dump(dump: str, how: str) -> None:
         shutil.move(str(good), str(good)[:-len(".good")])
 
 
-@pytest.mark.parametrize("how", ["removed", "corrupted"])
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["removed", pytest.param("corrupted", marks=pytest.mark.slow)])
 def test_dump_gone_keeps_restore_committing_with_a_precise_reason(tq_start, tmp_path, how):
     ref, dump, cfg = crash_one_unit(tq_start, tmp_path, "unit.request.APPLY_STAGED:kill")
     named = _break_dump(dump, how)
@@ -133,6 +135,7 @@ def test_dump_gone_keeps_restore_committing_with_a_precise_reason(tq_start, tmp_
     assert journal_json(state_dir=cfg["state_dir"])["restores"][0]["state"] == "committed"
 
 
+@pytest.mark.slow
 def test_dump_gone_for_good_can_be_given_up_as_failed(tq_start, tmp_path):
     ref, dump, cfg = crash_one_unit(tq_start, tmp_path, "unit.request.APPLY_STAGED:kill")
     keep = tmp_path / "copy"
@@ -157,6 +160,7 @@ def test_dump_gone_for_good_can_be_given_up_as_failed(tq_start, tmp_path):
     assert assert_every_listed_key_readable(ref) == set(ref) | {"tag-only"}
 
 
+@pytest.mark.slow
 def test_unit_that_applied_then_restarted_is_rolled_forward_too(tq_start, tmp_path):
     # unit 0 dies before applying; units 1 and 2 apply (journaled applied), then unit 1
     # restarts too before the restore is published: its applied rows are gone as well
@@ -177,6 +181,7 @@ def test_unit_that_applied_then_restarted_is_rolled_forward_too(tq_start, tmp_pa
     assert redone == ["unit 0", "unit 1"], ctl["recovery_events"]
 
 
+@pytest.mark.slow
 def test_unit_dying_during_the_redo_is_redone_again(tq_start, tmp_path):
     ref, dump, cfg = crash_one_unit(tq_start, tmp_path, "unit.request.APPLY_STAGED:kill")
     # the restarted unit 0 dies again, after re-reading its rows, before staging them

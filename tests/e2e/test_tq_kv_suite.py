@@ -309,6 +309,7 @@ def test_field_expansion_across_samples(api, pid):
     assert list(data.keys()) == ["field_a"]  # the only field both keys have
 
 
+@pytest.mark.slow
 def test_kv_api_in_another_process(tq_system, pid):
     """TransferQueue's Ray-worker test: a second process attaches with a bare tq.init()."""
     code = textwrap.dedent("""

@@ -141,6 +141,7 @@ def test_trainer_loop_checkpoint_sigkill_resume(tmp_path, job):
     restorer.call("close")
 
 
+@pytest.mark.slow
 def test_pending_dump_loads_onto_another_unit_count(tmp_path, job):
     """The pending dump of a 3-unit job (TransferQueue's config shape), restored into a
     2-unit deployment after SIGKILL."""

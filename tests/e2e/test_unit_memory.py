@@ -73,6 +73,7 @@ def test_clear_and_overwrite_give_row_memory_back(tq_start, pid):
                        td[:5]["tokens"].values())
 
 
+@pytest.mark.slow
 def test_restored_rows_give_their_memory_back_when_cleared(tq_start, pid, tmp_path):
     """Restored rows are read by a unit's I/O threads, not the thread that put them.
     (Freed, they could become the top of that thread's malloc arena, which malloc_trim does

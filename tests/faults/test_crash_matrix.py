@@ -5,7 +5,8 @@ that gets there first, the one that gets there last, and the unit alone (a 1-uni
 deployment).
 
 The full product is marked ``slow`` (``pytest tests/faults -m slow``); a representative
-subset, one point per lifecycle step with ``kill``, runs in the default suite.
+subset with ``kill`` (a unit and the controller or client in each protocol) runs in the
+quick loop (``-m "not slow"``).
 """
 from __future__ import annotations
 
@@ -20,21 +21,13 @@ from crash_table import (ABORT_TRIGGER, BACKGROUND_DUMP, COMMITTED, DUMP, META, 
 ROLES = ["first", "last", "alone"]
 
 # (point, role) run with kill in the default suite; everything else is slow
-FAST_DUMP = {("unit.dump.after_write", "first"), ("publish.after_written", None),
-             ("publish.after_old_moved", None), ("publish.after_published", None)}
-FAST_BACKGROUND = {("controller.reply.TAKE_DUMP_TAGS", None), ("unit.reply.DUMP_SNAPSHOT", "last"),
-                   ("client.dump.after_snapshot", None)}
-FAST_RESTORE = {("client.restore.after_begin", None), ("unit.load.after_read_batch", "last"),
-                ("controller.restore.after_staged", None),
+FAST_DUMP = {("unit.dump.after_write", "first"), ("publish.after_old_moved", None)}
+FAST_BACKGROUND = {("unit.reply.DUMP_SNAPSHOT", "last")}
+FAST_RESTORE = {("unit.load.after_read_batch", "last"),
                 ("controller.restore.after_commit_decision", None),
-                ("unit.request.APPLY_STAGED", "alone"), ("unit.apply.after_apply", "last"),
-                ("controller.restore.after_publish", None),
-                ("client.restore.before_finish", None), ("client.restore.after_finish", None)}
-FAST_RESTORE_ABORT = {("controller.restore.after_abort_decision", None),
-                      ("client.restore.after_abort", None)}
+                ("unit.apply.after_apply", "last"), ("client.restore.before_finish", None)}
+FAST_RESTORE_ABORT = {("controller.restore.after_abort_decision", None)}
 FAST_META = {("controller.meta.commit_put.after_commit", UNITS_ALIVE),
-             ("controller.meta.clear.before_reply", UNITS_ALIVE),
-             ("controller.meta.restore_publish.before_commit", UNITS_ALIVE),
              ("controller.meta.unit_lost.after_commit", UNITS_ALIVE)}
 
 
@@ -108,6 +101,7 @@ def test_meta_crash(tmp_path, clean_api, ref_dump, point, action, role, expected
 
 
 # --------------------------------------------------------------------------- reply points
+@pytest.mark.slow
 def test_deferred_reply_points_fire(tmp_path, clean_api, ref_dump):
     run = Run(tmp_path, "unit.reply.LOAD_ROWS", "kill", 1)
     from crash import _copy_dump

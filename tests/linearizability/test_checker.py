@@ -2,6 +2,7 @@
 with the right explanation) and on generated ones (a hypothesis property)."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -279,6 +280,7 @@ def _superseded(history, read: Op, key) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.filter_too_much])
 @given(sequential_histories(), st.data())

@@ -145,6 +145,7 @@ def _run_concurrent(tq_start, tmp_path, *, writers: int, seconds: float, rounds_
     return {"rounds": rounds, "keys": total, "results": results}
 
 
+@pytest.mark.slow
 def test_concurrent_clients_with_dump_and_restore(tq_start, tmp_path):
     out = _run_concurrent(tq_start, tmp_path, writers=3, seconds=5.0, rounds_min=3)
     assert out["rounds"] >= 3
@@ -265,6 +266,7 @@ def _run_machine(tmp_path, examples: int, steps: int):
         tq.close()
 
 
+@pytest.mark.slow
 def test_stateful_model(tmp_path):
     _run_machine(tmp_path, examples=6, steps=15)
 

@@ -285,6 +285,7 @@ def _attach_all(runs: list) -> list:
     return results
 
 
+@pytest.mark.slow
 def test_curve_attach_from_other_processes(tq_start, curve_host, tmp_path):
     state = tmp_path / "curve-state"
     info = security.init_keys(state)

@@ -172,6 +172,7 @@ def _fuzz(base, case):
     SEEN[(target, mutation)][outcome] += 1
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())

@@ -60,4 +60,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from ..process.servers import exit_now
-    exit_now(main())
+    from ..wire.rpc import close_context
+    exit_now(main(), flush=close_context)

@@ -119,16 +119,20 @@ def stop_on_signals(stop) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def exit_now(rc: int) -> None:
+def exit_now(rc: int, flush=None) -> None:
     """End a server process. After a clean stop (``rc`` 0: its loop ended, its journal
     closed, its lock released) skip the interpreter's finalization -- tearing down
     SQLAlchemy's and tqtx's modules costs a controller ~0.25 s of CPU at every stop and
     protects no data -- after doing what a normal exit does first: the threading module's
-    shutdown (exit hooks such as concurrent.futures', then non-daemon threads awaited), the
-    logging handlers flushed and closed, stdio flushed. Any other code exits normally."""
+    shutdown (exit hooks such as concurrent.futures', then non-daemon threads awaited),
+    ``flush()`` (the messaging layer sends what it still holds, e.g. the reply to
+    SHUTDOWN), the logging handlers flushed and closed, stdio flushed. Any other code exits
+    normally."""
     if rc != 0:
         sys.exit(rc)
     threading._shutdown()  # what Py_FinalizeEx runs first (CPython 3.8+)
+    if flush is not None:
+        flush()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

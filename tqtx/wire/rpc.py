@@ -58,6 +58,15 @@ def _context() -> zmq.Context:
 
 
 IO_THREADS = int(os.environ.get("TQTX_IO_THREADS", "2"))
+LINGER_MS = 1000  # what a closing socket may still spend sending its last messages
+
+
+def close_context() -> None:
+    """Close every socket of the process's context (each sends what it still holds, up to
+    LINGER_MS) and end the context: a process about to ``os._exit`` calls it so its last
+    replies leave."""
+    if zmq.Context._instance is not None:
+        zmq.Context.instance().destroy(linger=LINGER_MS)
 
 
 def new_id() -> str:
@@ -398,5 +407,5 @@ class Server:
                     hook()
                 except Exception:
                     log.exception("%s: turn hook %r failed", self.name, hook)
-        self.socket.close(linger=1000)
+        self.socket.close(linger=LINGER_MS)
         self._wake.close(linger=0)
