@@ -15,6 +15,7 @@ from ..wire.rpc import DEFAULT_TIMEOUT, new_id
 from ..wire.columns import unpack_int64
 from ..wire.columns import unpack_column  # noqa: F401  (re-exported)
 from .get_path import Column  # noqa: F401  (re-exported)
+from .lease import PutLease
 from .kvmeta import KVBatchMeta  # noqa: F401  (TransferQueue's class; re-exported)
 
 
@@ -78,6 +79,7 @@ class Client:
         self._peers_lock = threading.Lock()
         self._topology_lock = threading.Lock()
         self._inbox: shm.GetInbox | None = None
+        self.lease = PutLease()  # indexes for small puts of new keys (client/lease.py)
         self._inbox_tried = False
         self.into_off: str | None = None  # why same-host gets do not copy into this process
         self.unsettled_results: list = []  # buffers of failed GET_INTOs (see result_layout)

@@ -1,4 +1,6 @@
-"""The put path: ALLOC (controller), PUT_ROWS (the owning units, in parallel), COMMIT_PUT.
+"""The put path: ALLOC (controller), PUT_ROWS (the owning units, in parallel), COMMIT_PUT;
+a small put of keys the client believes new skips ALLOC through its lease
+(:mod:`tqtx.client.lease`).
 
 Every row is written at the generation ALLOC gave it: a unit refuses an older generation
 than the row it holds (the key was cleared and its index given to another key meanwhile),
@@ -64,6 +66,9 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
     PutPartlyAppliedError naming both sets."""
     what = f"putting {len(keys)} key(s) in partition {pid!r}"
     stored: dict = {}
+    fields = _put_leased(client, keys, pid, columns, schemas, tags, what, with_tags, stored)
+    if fields is not None:
+        return fields, stored
     todo = list(range(len(keys)))  # positions of the keys still to put
     write = None  # positions (within todo) whose rows must be written; None: all
     done: list[str] = []
@@ -91,6 +96,7 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
         except BaseException as exc:
             raise _failed(exc, done, sub_keys) from None
         client.count("puts", len(sub_keys) - len(redo), nbytes)
+        client.lease.remember(pid, sub_keys)
         if fields is not None:  # the fields common to the keys this attempt committed
             common = set(fields) if common is None else common & set(fields)
         if not redo:
@@ -138,34 +144,20 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     """One ALLOC, PUT_ROWS (of the rows at positions ``write``, None: all), COMMIT_PUT;
     returns ``(common fields, positions to redo, bytes written)``; with ``with_tags`` the
     committed keys' tags go into ``stored``."""
-    alloc = _put_step(client, "ALLOC", {"partition_id": pid, "keys": keys, "schemas": schemas},
-                      client.controller_incarnation, what,
+    body = {"partition_id": pid, "keys": keys, "schemas": schemas}
+    want = client.lease.wanted()
+    if want:
+        body["lease"] = want
+    alloc = _put_step(client, "ALLOC", body, client.controller_incarnation, what,
                       "none of its keys was stored or committed")
     faults.hit("client.put.after_alloc")
     topology = alloc.get("topology")
     incarnation = None if topology is None else topology >> 32
+    if alloc.get("lease"):
+        client.lease.add(alloc["lease"], incarnation)
     indexes, gens, pending = alloc["indexes"], alloc["gens"], alloc["pending"]
-    nbytes = 0
-    refused: set = set()
     try:
-        if columns:
-            # a tensor field's rows travel under one header per unit (TensorColumn)
-            tensor = {f: TensorColumn.of_rows(c) is not None for f, c in columns.items()}
-            per_unit: dict[int, dict] = {}
-            for u, pos in routing.by_owner(indexes, client.num_units).items():
-                if write is not None:
-                    pos = [i for i in pos if i in write]
-                    if not pos:
-                        continue
-                cols = {}
-                for f, c in columns.items():
-                    rows = [c[i] for i in pos]
-                    cols[f] = TensorColumn(rows[0].dtype, rows) if tensor[f] else rows
-                per_unit[u] = {"idx": [indexes[i] for i in pos], "cols": cols,
-                               "gens": [gens[i] for i in pos]}
-            replies = client.fan_out("PUT_ROWS", per_unit) if per_unit else {}
-            nbytes = sum(r.get("bytes", 0) for r in replies.values())
-            refused = {i for r in replies.values() for i in r.get("stale", ())}
+        nbytes, refused = _write_rows(client, indexes, gens, columns, write)
         faults.hit("client.put.before_commit")
         outcome = ("its rows are on the units but its commit may not have been applied: "
                    "put the keys again (the same put twice has the effect of one) or see "
@@ -198,6 +190,73 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     committed = len(set(keys) - stale) > 0
     return (res["fields"] if committed else None,
             [j for j, k in enumerate(keys) if k in redo and pending[j]], nbytes)
+
+
+def _write_rows(client, indexes, gens, columns, write) -> tuple[int, set]:
+    """PUT_ROWS of the rows at positions ``write`` (None: all) to their units: ``(bytes
+    written, indexes a unit refused as stale)``. A tensor field's rows travel under one
+    header per unit (TensorColumn)."""
+    if not columns:
+        return 0, set()
+    tensor = {f: TensorColumn.of_rows(c) is not None for f, c in columns.items()}
+    per_unit: dict[int, dict] = {}
+    for u, pos in routing.by_owner(indexes, client.num_units).items():
+        if write is not None:
+            pos = [i for i in pos if i in write]
+            if not pos:
+                continue
+        cols = {}
+        for f, c in columns.items():
+            rows = [c[i] for i in pos]
+            cols[f] = TensorColumn(rows[0].dtype, rows) if tensor[f] else rows
+        per_unit[u] = {"idx": [indexes[i] for i in pos], "cols": cols,
+                       "gens": [gens[i] for i in pos]}
+    replies = client.fan_out("PUT_ROWS", per_unit) if per_unit else {}
+    return (sum(r.get("bytes", 0) for r in replies.values()),
+            {i for r in replies.values() for i in r.get("stale", ())})
+
+
+def _put_leased(client, keys, pid, columns, schemas, tags, what, with_tags, stored):
+    """The put of ``keys`` through the client's lease (:mod:`tqtx.client.lease`): PUT_ROWS
+    at leased indexes, then COMMIT_PUT naming them. Returns the common fields, or None when
+    the put must go through ALLOC instead (no lease for it, or the controller refused it:
+    a key exists, or the lease is gone); the rows it wrote are dropped first."""
+    lease = client.lease.take(pid, keys, client.controller_incarnation)
+    if lease is None:
+        return None
+    indexes, gens = lease
+    rows = list(zip(indexes, gens))
+    try:
+        nbytes, refused = _write_rows(client, indexes, gens, columns, None)
+        if refused:  # a checkpoint load replaced the rows: the lease is gone
+            client.drop_rows(rows)
+            return None
+        faults.hit("client.put.before_commit")
+        res = _put_step(client, "COMMIT_PUT", {
+            "partition_id": pid, "keys": keys, "fields": list(columns), "tags": tags,
+            "gens": gens, "want_tags": with_tags, "leased": [indexes, gens],
+            "schemas": schemas}, None, what,
+            "its rows are on the units but its commit may not have been applied: put the "
+            "keys again (the same put twice has the effect of one) or see kv_list")
+    except _ControllerRestarted:
+        # The controller went away twice: whether one of them committed is unknown, so
+        # the rows stay. ALLOC's path puts the keys again: at these indexes if the commit
+        # was journaled, else at new ones (a successor has the units drop these rows).
+        return None
+    except BaseException:
+        _abandon_put(client, pid, keys, gens)
+        raise
+    if res.get("lease_refused"):
+        client.drop_rows(rows)
+        return None
+    if res.get("stale"):  # cleared (or created again) since the commit made them pending:
+        # impossible in the one turn of the controller that commits them, but never wrong
+        client.drop_rows([(i, g) for k, i, g in zip(keys, indexes, gens) if k in res["stale"]])
+        return None
+    stored.update(res.get("tags") or {})
+    client.count("puts", len(keys), nbytes)
+    client.lease.remember(pid, keys)
+    return res["fields"]
 
 
 def _abandon_put(client, pid: str, keys: list[str], gens: list[int]) -> None:

@@ -37,6 +37,7 @@ log = logging.getLogger("tqtx.controller")
 META_OPS = ("commit_put", "clear", "checkpoint_replace", "restore_publish", "unit_lost",
             "end_buffer")
 META_STAGES = ("before_commit", "after_commit", "before_reply")
+MAX_LEASE = 256  # indexes one ALLOC may lease to a client
 
 
 def _tag_columns(keys: list[str], key_tags) -> dict:
@@ -144,8 +145,12 @@ class KVRequests:
             self.restores.refuse(f"creating keys in partition {pid!r}", pid)
         indexes, gens = self.meta.alloc(pid, keys, schemas)
         visible = self.meta.partitions[pid].keys
-        return {"indexes": indexes, "gens": gens, "pending": [k not in visible for k in keys],
-                "topology": self.topology()}
+        out = {"indexes": indexes, "gens": gens, "pending": [k not in visible for k in keys],
+               "topology": self.topology()}
+        want = body.get("lease")
+        if want:  # indexes for the client's next puts of new keys (see commit_put)
+            out["lease"] = list(self.meta.grant_lease(min(int(want), MAX_LEASE)))
+        return out
 
     def commit_put(self, body, req):
         """Publish the fields (and merge the tags) of rows the units now hold.
@@ -161,6 +166,9 @@ class KVRequests:
         """
         pid, keys, tags = body["partition_id"], body["keys"], body.get("tags")
         gens, stale, redo = body.get("gens"), [], []
+        leased = body.get("leased")
+        if leased is not None and not self._take_lease(pid, keys, leased, body):
+            return {"lease_refused": True}
         if gens is not None:
             stale = self.meta.stale_keys(self.meta.partition(pid), keys, gens)
             if stale:
@@ -187,6 +195,18 @@ class KVRequests:
         if body.get("want_tags"):  # the stored (merged) tags of the keys committed
             out["tags"] = {k: updates[k][2] or {} for k in keys}
         return out
+
+    def _take_lease(self, pid: str, keys: list[str], leased, body) -> bool:
+        """A put that wrote the rows of keys it believed new at indexes leased by an
+        earlier ALLOC (``leased``: their indexes and generations), without an ALLOC of its
+        own: the keys become pending there, as ALLOC would have made them, if ALLOC would
+        have (all keys new, schemas compatible, no restore loading into the partition) and
+        the lease holds; else nothing changes and the client puts them through ALLOC."""
+        self.require_units("COMMIT_PUT")
+        if self.restores.loading_into(pid):
+            return False
+        indexes, gens = leased
+        return self.meta.take_leased(pid, keys, indexes, gens, body.get("schemas") or {})
 
     @staticmethod
     def _record_reply(change: MetaChange, req, reply: dict) -> None:

@@ -22,6 +22,7 @@ row.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import OrderedDict
 
 from ..errors import KeysNotFoundError, RowsLostError
@@ -36,6 +37,8 @@ EMPTY: frozenset = frozenset()
 GEN_SHIFT = 40
 # Abandoned generations remembered (a put's COMMIT_PUT follows its ALLOC within its timeout).
 ABANDONED_KEPT = 65536
+# A lease not used within this time is taken back (its client died or stopped putting).
+LEASE_TTL = 600.0
 
 
 class Partition:
@@ -94,6 +97,9 @@ class Metadata:
         # rows were never visible, so a concurrent put of the same new key may put it again.
         # A pending key that another put committed and a clear then removed is not here.
         self.abandoned: OrderedDict[int, None] = OrderedDict()
+        # Indexes leased to clients for puts of new keys (see grant_lease), oldest first:
+        # index -> (generation, when granted). Allocated like a pending key's, no key yet.
+        self.leased: OrderedDict[int, tuple[int, float]] = OrderedDict()
         self.next_gen = incarnation << GEN_SHIFT
         self.gen_limit = (incarnation + 1) << GEN_SHIFT
         # Rows' field sets are frozensets, one object per distinct set (never changed in
@@ -180,6 +186,51 @@ class Metadata:
         gens = list(range(first, first + n))
         self.gens.update(zip(indexes, gens))
         return indexes, gens
+
+    def grant_lease(self, n: int) -> tuple[list[int], list[int]]:
+        """``n`` free indexes with new generations, leased to one client: it may write rows
+        of keys it believes new there before it asks for anything (:meth:`take_leased` at
+        its COMMIT_PUT). Leases older than LEASE_TTL are taken back first."""
+        now = time.monotonic()
+        stale = []
+        while self.leased:
+            idx, (gen, at) = next(iter(self.leased.items()))
+            if now - at < LEASE_TTL:
+                break
+            del self.leased[idx]
+            stale.append(idx)
+        self.release(stale)
+        indexes, gens = self.allocate_rows(n)
+        for idx, gen in zip(indexes, gens):
+            self.leased[idx] = (gen, now)
+        return indexes, gens
+
+    def take_leased(self, pid: str, keys: list[str], indexes, gens, schemas: dict) -> bool:
+        """Make ``keys`` pending at the leased ``indexes`` (their rows are on the units) if
+        every key is new and every index still leased at its generation; else take those
+        leases back (their rows are the client's to drop) and return False: the client puts
+        the keys again through ALLOC, which knows where an existing key lives."""
+        leased = self.leased
+        part = self.partition(pid)
+        ok = (len(keys) == len(indexes) == len(gens) == len(set(keys))
+              and all(leased.get(i, (None,))[0] == g for i, g in zip(indexes, gens))
+              and (part is None or not any(k in part.keys or k in part.pending for k in keys)))
+        if ok:
+            try:
+                self.validate_schemas(part, schemas)
+            except (TypeError, ValueError):
+                ok = False  # refused again, with its message, by the ALLOC of the retry
+        if not ok:
+            self.release([i for i, g in zip(indexes, gens)
+                          if leased.get(i, (None,))[0] == g and leased.pop(i)])
+            return False
+        part = self.partition(pid, create=True)
+        for field, schema in schemas.items():
+            part.schema[field] = merge_schema(part.schema.get(field), schema)
+        for key, idx in zip(keys, indexes):
+            del leased[idx]
+            part.pending[key] = idx
+        return True
 
     def validate_schemas(self, part: Partition | None, schemas: dict) -> None:
         if part is None:
@@ -416,6 +467,7 @@ class Metadata:
         a row that has none (written before generations existed)."""
         self.partitions.clear()
         self.reserved.clear()
+        self.leased.clear()
         self.gens.clear()
         self.next_index = int(snap["next_index"])
         gens = self.gens
