@@ -88,6 +88,16 @@ def tq_shared(_shared_state_dir):
 
 
 @pytest.fixture
+def no_lease(monkeypatch):
+    """Clients made in this test put every key through ALLOC (no lease: see
+    tqtx/client/lease.py), for tests of that path's interleavings and index reuse."""
+    monkeypatch.setenv("TQTX_PUT_LEASE", "0")
+    from tqtx import api
+    if api._client is not None:  # a deployment shared with earlier tests
+        monkeypatch.setattr(api._client.lease, "enabled", False)
+
+
+@pytest.fixture
 def pid():
     """A partition id unique to the test."""
     return f"p-{uuid.uuid4().hex[:8]}"

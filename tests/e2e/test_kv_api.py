@@ -290,7 +290,7 @@ def test_kv_clear_idempotent(pid):
     assert tq.kv_list(pid) == {}
 
 
-def test_freed_indexes_reused(pid):
+def test_freed_indexes_reused(pid, no_lease):
     keys = [f"k{i}" for i in range(6)]
     tq.kv_batch_put(keys, pid, TensorDict({"x": torch.ones(6)}, batch_size=[6]))
     old = indexes(pid, keys[:3])
@@ -300,7 +300,7 @@ def test_freed_indexes_reused(pid):
     assert tq.kv_batch_get(["n0", "n1", "n2", "k3"], pid)["x"].tolist() == [0, 0, 0, 1]
 
 
-def test_reused_index_across_partitions_does_not_leak(pid):
+def test_reused_index_across_partitions_does_not_leak(pid, no_lease):
     p1, p2 = pid + "-1", pid + "-2"
     tq.kv_batch_put(["a"], p1, TensorDict({"secret": torch.full((1, 4), 7.0),
                                            "note": NonTensorStack("p1-data")}, batch_size=[1]),
@@ -322,7 +322,7 @@ def test_reused_index_across_partitions_does_not_leak(pid):
     tq.kv_clear(["b"], p2)
 
 
-def test_reused_index_key_without_fields_does_not_leak(pid):
+def test_reused_index_key_without_fields_does_not_leak(pid, no_lease):
     p1, p2 = pid + "-1", pid + "-2"
     tq.kv_put("a", p1, {"secret": torch.full((3,), 9)})
     idx = indexes(p1, ["a"])[0]

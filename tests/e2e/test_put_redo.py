@@ -18,7 +18,8 @@ from tensordict import TensorDict
 import tqtx as tq
 from tqtx import faults
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.strict]
+# the interleavings of ALLOC's path (a lease would skip ALLOC: tqtx/client/lease.py)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.strict, pytest.mark.usefixtures("no_lease")]
 
 P = "p"
 

@@ -64,7 +64,7 @@ def race(monkeypatch):
 
 
 @pytest.fixture
-def dep(tq_start):
+def dep(no_lease, tq_start):
     return tq_start(num_units=2)
 
 

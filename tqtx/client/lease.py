@@ -10,6 +10,8 @@ leased index are invisible until that commit: no key maps to the index before it
 
 A lease is asked for with an ALLOC and is good for one controller incarnation, one process
 (a forked child holds none of its parent's) and at most LEASE_MAX_AGE seconds.
+``TQTX_PUT_LEASE=0`` turns leases off for the clients a process makes (every put then
+takes ALLOC's path, as tests of that path's interleavings need).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class PutLease:
     """The leased pairs of one Client (thread-safe: each pair goes to one put)."""
 
     def __init__(self):
+        self.enabled = os.environ.get("TQTX_PUT_LEASE", "1") != "0"
         self._lock = threading.Lock()
         self._free: deque = deque()
         self._pid = os.getpid()
@@ -38,7 +41,7 @@ class PutLease:
 
     def wanted(self) -> int:
         """How many indexes an ALLOC should ask to lease now (0: enough are left)."""
-        return LEASE_SIZE if len(self._free) < LEASE_LOW else 0
+        return LEASE_SIZE if self.enabled and len(self._free) < LEASE_LOW else 0
 
     def add(self, lease, incarnation) -> None:
         """Keep the ``[indexes, gens]`` an ALLOC of controller ``incarnation`` leased."""
@@ -52,7 +55,7 @@ class PutLease:
         too large, repeats a key, names a key this client put lately (an update: ALLOC
         knows its index), or too few pairs are left of a lease of ``incarnation``."""
         n = len(keys)
-        if n > MAX_LEASED_KEYS or len(set(keys)) != n:
+        if n > MAX_LEASED_KEYS or not self.enabled or len(set(keys)) != n:
             return None
         with self._lock:
             self._forget_stale(incarnation)
