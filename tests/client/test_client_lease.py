@@ -34,6 +34,8 @@ def test_keys_this_client_put_lately_are_updates():
     assert lease.take("p", ["a"], 7) is None and lease.take("q", ["a"], 7) == ([0], [100])
     lease.remember("p", [f"big{i}" for i in range(MAX_LEASED_KEYS + 1)])  # not remembered
     assert lease.take("p", ["big0"], 7) == ([1], [101])
+    lease.forget("p", ["a"])  # cleared by this client: a put of it creates it again
+    assert lease.take("p", ["a"], 7) == ([2], [102])
 
 
 def test_another_controller_incarnation_drops_the_lease():

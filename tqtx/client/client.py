@@ -355,6 +355,7 @@ class Client:
         return out
 
     def clear(self, keys: list[str], pid: str) -> int:
+        self.lease.forget(pid, keys)  # a put of them again creates them: the lease fits
         res = self.call_controller(
             "CLEAR", {"partition_id": pid, "keys": keys},
             what=f"clearing {len(keys)} key(s) of partition {pid!r}",

@@ -24,7 +24,7 @@ LEASE_SIZE = 64          # indexes asked for with an ALLOC when fewer than LEASE
 LEASE_LOW = 8
 MAX_LEASED_KEYS = 16     # a larger put takes ALLOC's path: its round trip is a small share
 LEASE_MAX_AGE = 300.0    # half the controller's LEASE_TTL
-KNOWN_KEYS = 4096        # keys this client put lately: putting one again skips the lease
+KNOWN_KEYS = 4096        # keys this client put lately (and did not clear): an update
 
 
 class PutLease:
@@ -76,6 +76,14 @@ class PutLease:
                 known.move_to_end((pid, k))
             while len(known) > KNOWN_KEYS:
                 known.popitem(last=False)
+
+    def forget(self, pid: str, keys) -> None:
+        """Keys this client clears: a put of one again is of a new key."""
+        with self._lock:
+            known = self._known
+            if known:
+                for k in keys:
+                    known.pop((pid, k), None)
 
     def _forget_stale(self, incarnation) -> None:
         """Drop the lease if it is not this process's, its controller's or is too old."""
