@@ -174,7 +174,11 @@ def _all_refused(attempts: list, wait: float = 2.0) -> None:
                 curve(s)
             s.connect(address)
             for op in ("PING", "LIST"):
-                s.send_multipart(encode({"op": op, "rid": op, "body": {"partition_id": None}}))
+                try:  # a refused handshake can leave the socket no peer to queue for
+                    s.send_multipart(encode({"op": op, "rid": op,
+                                             "body": {"partition_id": None}}), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
             socks.append((address, curve, s))
         poller = zmq.Poller()
         for *_, s in socks:
