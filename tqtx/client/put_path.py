@@ -221,13 +221,22 @@ def _put_leased(client, keys, pid, columns, schemas, tags, what, with_tags, stor
     at leased indexes, then COMMIT_PUT naming them. Returns the common fields, or None when
     the put must go through ALLOC instead (no lease for it, or the controller refused it:
     a key exists, or the lease is gone); the rows it wrote are dropped first."""
+    if client.controller.gone():  # ALLOC's path fails first, saying nothing was stored
+        return None
     lease = client.lease.take(pid, keys, client.controller_incarnation)
     if lease is None:
         return None
     indexes, gens = lease
     rows = list(zip(indexes, gens))
     try:
-        nbytes, refused = _write_rows(client, indexes, gens, columns, None)
+        try:
+            nbytes, refused = _write_rows(client, indexes, gens, columns, None)
+        except PeerDiedError:
+            # A unit gone, or restarted at another address: ALLOC's reply carries the
+            # topology to follow (and the same error if the unit stays gone). Nothing is
+            # committed: the rows written elsewhere are dropped.
+            _drop_quietly(client, rows)
+            return None
         if refused:  # a checkpoint load replaced the rows: the lease is gone
             client.drop_rows(rows)
             return None
@@ -257,6 +266,13 @@ def _put_leased(client, keys, pid, columns, schemas, tags, what, with_tags, stor
     client.count("puts", len(keys), nbytes)
     client.lease.remember(pid, keys)
     return res["fields"]
+
+
+def _drop_quietly(client, rows) -> None:
+    try:
+        client.drop_rows(rows)
+    except Exception:  # noqa: BLE001 - best effort: a unit gone holds nothing to drop
+        pass
 
 
 def _abandon_put(client, pid: str, keys: list[str], gens: list[int]) -> None:
