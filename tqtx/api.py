@@ -276,7 +276,8 @@ def _client_of() -> Client:
 
 def get_client():
     """The process-wide client: TransferQueue's low-level client calls
-    (:mod:`tqtx.compat.dataplane`) over tqtx's own Client, whose methods it also has. Raises if init was not called."""
+    (:mod:`tqtx.compat.dataplane`) over tqtx's own Client, whose methods it also has.
+    Raises if init was not called."""
     from .compat.dataplane import client_for
     return client_for(_client_of())
 

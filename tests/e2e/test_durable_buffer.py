@@ -248,9 +248,10 @@ def _writer(wid: int, stop, acked: dict, cleared: dict) -> None:
 def test_whole_job_kills_under_buffer_keep_every_put_older_than_the_interval(
         tq_start, tmp_path):
     """8 writers put and clear; the whole job is SIGKILLed at a random moment and started
-    again, twenty times (with the whole-job history tests' 2 x >= 15 under sync: >= 50). Every put acknowledged more than flush_interval_s before a kill is
-    back bit for bit (unless a clear of it was acknowledged before the kill), every clear
-    acknowledged that long before stays cleared."""
+    again, twenty times (with the whole-job history tests' 2 x >= 15 under sync: >= 50).
+    Every put acknowledged more than flush_interval_s before a kill is back bit for bit
+    (unless a clear of it was acknowledged before the kill), every clear acknowledged that
+    long before stays cleared."""
     import random
     import threading
     interval = 1.0  # the writer writes every half interval: half an interval of margin

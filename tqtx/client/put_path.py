@@ -16,6 +16,9 @@ from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..wire.rpc import new_id
 from ..wire.values import TensorColumn
 
+# What a put whose COMMIT_PUT got no reply tells its caller.
+_COMMIT_UNSURE = ("its rows are on the units but its commit may not have been applied: put "
+                  "the keys again (the same put twice has the effect of one) or see kv_list")
 # Only a controller found gone is waited for: one that is alive but slow (a timeout)
 # is reported as before.
 _CONTROLLER_LOST = (PeerDiedError,)
@@ -159,14 +162,11 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     try:
         nbytes, refused = _write_rows(client, indexes, gens, columns, write)
         faults.hit("client.put.before_commit")
-        outcome = ("its rows are on the units but its commit may not have been applied: "
-                   "put the keys again (the same put twice has the effect of one) or see "
-                   "kv_list")
         try:
             res = _put_step(client, "COMMIT_PUT", {"partition_id": pid, "keys": keys,
                                                    "fields": list(columns), "tags": tags,
                                                    "gens": gens, "want_tags": with_tags},
-                            incarnation, what, outcome)
+                            incarnation, what, _COMMIT_UNSURE)
         except _ControllerRestarted as exc:
             exc.pending = {j for j, p in enumerate(pending) if p}
             raise
@@ -244,9 +244,7 @@ def _put_leased(client, keys, pid, columns, schemas, tags, what, with_tags, stor
         res = _put_step(client, "COMMIT_PUT", {
             "partition_id": pid, "keys": keys, "fields": list(columns), "tags": tags,
             "gens": gens, "want_tags": with_tags, "leased": [indexes, gens],
-            "schemas": schemas}, None, what,
-            "its rows are on the units but its commit may not have been applied: put the "
-            "keys again (the same put twice has the effect of one) or see kv_list")
+            "schemas": schemas}, None, what, _COMMIT_UNSURE)
     except _ControllerRestarted:
         # The controller went away twice: whether one of them committed is unknown, so
         # the rows stay. ALLOC's path puts the keys again: at these indexes if the commit

@@ -78,6 +78,11 @@ class Partition:
         return (self.pid, key, idx, self.fields.get(idx, ()), self.tags.get(key),
                 self.lost.get(idx) if lost is None else lost, self.gens[idx])
 
+    def merge_schemas(self, schemas: dict) -> None:
+        """Register a put's field schemas (checked compatible before) with those held."""
+        for field, schema in schemas.items():
+            self.schema[field] = merge_schema(self.schema.get(field), schema)
+
     def gens_of(self, indexes) -> list[int]:
         """The generations of ``indexes`` (allocated ones), in order."""
         return list(map(self.gens.__getitem__, indexes))
@@ -221,12 +226,15 @@ class Metadata:
             except (TypeError, ValueError):
                 ok = False  # refused again, with its message, by the ALLOC of the retry
         if not ok:
-            self.release([i for i, g in zip(indexes, gens)
-                          if leased.get(i, (None,))[0] == g and leased.pop(i)])
+            taken_back = []
+            for idx, gen in zip(indexes, gens):
+                if leased.get(idx, (None,))[0] == gen:
+                    del leased[idx]
+                    taken_back.append(idx)
+            self.release(taken_back)
             return False
         part = self.partition(pid, create=True)
-        for field, schema in schemas.items():
-            part.schema[field] = merge_schema(part.schema.get(field), schema)
+        part.merge_schemas(schemas)
         for key, idx in zip(keys, indexes):
             del leased[idx]
             part.pending[key] = idx
@@ -251,8 +259,7 @@ class Metadata:
         Schemas of new fields are registered now, so a concurrent put of the same field with
         another dtype is refused here, before it writes anything."""
         part = self.partition(pid, create=True)
-        for field, schema in schemas.items():
-            part.schema[field] = merge_schema(part.schema.get(field), schema)
+        part.merge_schemas(schemas)
         new_keys = [k for k in dict.fromkeys(keys)
                     if k not in part.keys and k not in part.pending]
         if new_keys:

@@ -9,7 +9,8 @@ from typing import Iterable, Iterator
 
 from tqtx import faults
 from tqtx.layout import fsutil
-from tqtx.layout.paths import SHARDS_DIR, shard_file_name, shard_index_name  # noqa: F401 (re-exported)
+from tqtx.layout.paths import (SHARDS_DIR, shard_file_name,  # noqa: F401 (re-exported)
+                               shard_index_name)
 from tqtx.errors import DumpFormatError
 
 from .records import RecordEncoder, checksum, decode_record, encode_record_parts, file_error

@@ -65,8 +65,7 @@ def close_context() -> None:
     """Close every socket of the process's context (each sends what it still holds, up to
     LINGER_MS) and end the context: a process about to ``os._exit`` calls it so its last
     replies leave."""
-    if zmq.Context._instance is not None:
-        zmq.Context.instance().destroy(linger=LINGER_MS)
+    _context().destroy(linger=LINGER_MS)
 
 
 def new_id() -> str:
