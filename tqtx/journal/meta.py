@@ -29,7 +29,7 @@ from .base import journal_writes
 
 DURABILITY = dur.DURABILITY
 # SQLite's synchronous level per durability setting. WAL + NORMAL: a commit survives the
-# process (it is in the OS page cache), not a power loss; FULL fsyncs the WAL per commit.
+# process (it is in the OS page cache), not a power loss; a FULL commit fsyncs the WAL.
 # "buffer" commits as NORMAL and makes them durable at each cut (MetaJournal.cut).
 # "sync" commits without an fsync too: its requests share one durable cut per controller loop
 # turn (tqtx.controller.group_commit) before they are answered
@@ -188,7 +188,9 @@ class MetaJournal:
     by an earlier durable run are emptied at open, so they can never resurrect stale keys),
     ``"controller"`` (WAL, synchronous NORMAL: a commit survives the process, not a power
     loss), ``"buffer"`` (as ``"controller"``, plus a durable cut at most every
-    ``flush_interval_s``: :meth:`cut`) or ``"sync"`` (synchronous FULL: fsync per commit).
+    ``flush_interval_s``: :meth:`cut`) or ``"sync"`` (commits as ``"controller"``; the
+    requests of one controller loop turn share one cut before they are answered:
+    :mod:`tqtx.controller.group_commit`).
     The values of earlier releases are mapped with a DeprecationWarning.
     """
 
