@@ -54,7 +54,7 @@ class _Units:
         self.by_unit, self.inbox = by_unit, inbox
         self.refuse, self.change = set(refuse), set(change)
         self.files = {u: shm.ReplyFiles(u) for u in by_unit}
-        self.into_off = None
+        self.into_off, self.into_checked = None, False
         self.unsettled_results = []
         self.sent = []
         self.fail = None

@@ -82,6 +82,7 @@ class Client:
         self.lease = PutLease()  # indexes for small puts of new keys (client/lease.py)
         self._inbox_tried = False
         self.into_off: str | None = None  # why same-host gets do not copy into this process
+        self.into_checked = False  # whether into_usable() looked at the platform yet
         self.unsettled_results: list = []  # buffers of failed GET_INTOs (see result_layout)
         self.unit_generation = 0  # bumped when unit addresses change
         # client-side totals: calls, rows and bytes per kind (see client_stats)

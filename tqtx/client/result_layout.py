@@ -144,7 +144,8 @@ def shape_table(parts, n: int):
 def into_usable(client) -> bool:
     """Whether ``client``'s same-host gets may ask units to copy into this process
     (``TQTX_GET_INTO=off`` turns it off; so does a unit the kernel refused once)."""
-    if client.into_off is None:
+    if client.into_off is None and not client.into_checked:
+        client.into_checked = True  # once per client: a tiny get cannot afford a file read
         if os.environ.get("TQTX_GET_INTO", "on").lower() in ("0", "off", "false", "no"):
             client.into_off = "TQTX_GET_INTO is off"
         elif not vmcopy.available():

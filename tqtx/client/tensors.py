@@ -12,6 +12,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from ..layout import fsutil
 from . import result_layout
+from .nested import jagged
 from ..arguments.kinds import check_utf8
 from ..wire import shm
 from ..wire.values import DTYPE_SIZES, RawTensor
@@ -291,25 +292,6 @@ def result_buffer(nbytes: int):
     :meth:`tqtx.client.result_layout.ColumnPlan.open`): (tensor, address, numpy view)."""
     t = torch.empty(nbytes, dtype=torch.uint8)
     return t, t.data_ptr(), t.numpy()
-
-
-def _seqlen_args() -> set:
-    import inspect
-    return set(inspect.signature(torch.nested.nested_tensor_from_jagged).parameters) & \
-        {"min_seqlen", "max_seqlen"}
-
-
-_SEQLEN_ARGS = _seqlen_args()
-
-
-def jagged(values: torch.Tensor, offsets: torch.Tensor, lengths) -> torch.Tensor:
-    """A jagged nested tensor over ``values`` (no copy) that knows its shortest and
-    longest row, as ``torch.nested.as_nested_tensor`` makes them: without them
-    ``to_padded_tensor`` pads every row to the length of all values together."""
-    extra = {}
-    if len(lengths) and _SEQLEN_ARGS:
-        extra = {"min_seqlen": int(min(lengths)), "max_seqlen": int(max(lengths))}
-    return torch.nested.nested_tensor_from_jagged(values, offsets, **extra)
 
 
 def _from_plan(plan):

