@@ -3,9 +3,10 @@
 TransferQueue's layout returns every tensor field of one or more dimensions as a jagged
 nested tensor, so a one-row get makes one per field. ``torch.nested.nested_tensor_from_jagged``
 reaches the constructor through the dispatcher (a ``__torch_function__`` hop, the op's
-argument normalisation): about 90 µs, 60 of which buy nothing here -- the values never
-require grad and the result is no autograd view either way. :func:`jagged` calls the
-constructor that op ends in, with the same metadata. It is torch's internal API, so it is
+argument normalisation, an autograd view of the values): about 90 µs, 60 of which buy
+nothing here -- the values are buffers of received bytes that never require grad, and
+TransferQueue's own results, copies, are no views. :func:`jagged` calls the constructor
+that op ends in, with the same metadata. It is torch's internal API, so it is
 used only after a check at first use that it gives what the public call gives on this torch
 (type, shape, rows, bounds, padding, shared memory); otherwise, or on any error, the public
 call is used.
@@ -79,5 +80,5 @@ def jagged(values: torch.Tensor, offsets: torch.Tensor, lengths) -> torch.Tensor
         try:
             return _direct(values, offsets, lengths)
         except Exception:
-            pass  # e.g. an argument this torch's constructor refuses: the public call says
+            pass  # the public call then succeeds or raises the error the caller should see
     return public(values, offsets, lengths)
