@@ -46,6 +46,7 @@ def _close_and_check(state_dir, caplog, pids) -> None:
         tq.close()
 
 
+@pytest.mark.slow  # quick tier: test_close_with_the_controller_dead_still_stops_the_units
 def test_close_after_restart_controller_ends_the_buffer(tq_start, tmp_path, caplog):
     state = str(tmp_path / "state")
     tq_start(2, state_dir=state)

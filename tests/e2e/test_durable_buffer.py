@@ -33,7 +33,9 @@ def _read(keys) -> dict:
     return {k: (td["v"][i].tolist(), td["w"][i].tolist()) for i, k in enumerate(keys)}
 
 
-@pytest.mark.parametrize("durability", ["buffer", "sync"])
+# quick tier: sync (nothing acknowledged lost); buffer also runs 20 whole-job kills below
+@pytest.mark.parametrize("durability", [pytest.param("buffer", marks=pytest.mark.slow),
+                                        "sync"])
 def test_a_killed_job_comes_back_with_every_acknowledged_put(tq_start, tmp_path, durability):
     state = str(tmp_path / "state")
     cfg = {"durability": durability, "flush_interval_s": 0.2, "state_dir": state}

@@ -315,6 +315,7 @@ def test_whole_system_restart_aborts_unresolved_then_load_just_works(tq_start, t
     assert any(e["action"] == "aborted" for e in ctl.get("recovery_events", []))
 
 
+@pytest.mark.slow  # quick tier: the whole-job restart test above (same set-up)
 def test_unknown_restore_needs_cancel(tq_start, tmp_path):
     import shutil
     sel, ref, dump, cfg, ready_at = _slow_unit_restore(tq_start, tmp_path, delay=30.0)
