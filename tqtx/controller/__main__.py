@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def main(argv=None) -> int:
@@ -54,6 +53,10 @@ def main(argv=None) -> int:
         ctl.metrics_endpoint = f"{host}:{port}"
     announce({"ready": ctl.address, "pid": os.getpid(), "incarnation": ctl.incarnation,
               "recovered": len(ctl.recovered)})
+    import gc
+    # start-up objects (the journal's ORM, recovered metadata) stay out of every later
+    # collection: a full one walking them all took 26 ms in a restore's publish
+    gc.freeze()
     ctl.serve_forever()
     return 0
 

@@ -8,6 +8,7 @@ registration and the process's facts are here.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -342,6 +343,7 @@ class Controller:
                 "flush_interval_s": self.metajournal.flush_interval_s,
                 "durable_cuts": self.metajournal.cuts,
                 "open_restores": open_restores, "incarnation": self.incarnation,
+                "gc_frozen": gc.get_freeze_count(),
                 "metrics_enabled": m.enabled, "ops": m.ops_snapshot(),
                 "totals": m.totals_snapshot()}
 

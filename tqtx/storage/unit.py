@@ -19,6 +19,7 @@ replays that log when it starts, before it registers.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -378,7 +379,7 @@ class StorageUnit:
                 "rows": len(self.rows), "bytes": self.bytes_held,
                 "staged_restores": self.restore.staged_ids(),
                 "open_dumps": list(self.dumps.jobs),
-                "metrics_enabled": m.enabled,
+                "metrics_enabled": m.enabled, "gc_frozen": gc.get_freeze_count(),
                 "reply_files": self.reply_files.files,
                 "result_copies": self.reply_files.copies,
                 "ops": m.ops_snapshot(), "totals": m.totals_snapshot(),
