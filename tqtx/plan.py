@@ -14,6 +14,10 @@ A restore moves rows of a dump into the running system (docs/data_dump.md, "Rest
 * :class:`RestorePlan` -- the controller's whole plan of one restore; stored (encoded) with
   the commit decision, so a restarted controller rolls the restore forward from it.
 
+A checkpoint's save is planned by :func:`checkpoint_save_requests`: per unit, the rows of
+the controller's metadata snapshot that unit writes (the controller sends them with the
+snapshot; a load of a row-log checkpoint reads them from the checkpoint's metadata).
+
 On the wire and in the journal each is a short msgpack array (``to_wire`` / ``from_wire``):
 one restore carries them per row, so a map per row would cost the hot path.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 from .routing import owner
 from .wire import codec
+from .wire.columns import pack_int64
 
 
 @dataclass(slots=True)
@@ -157,3 +162,23 @@ class RestorePlan:
                     return None
                 items.append(RedoItem(r.index, r.gen, r.src))
         return items
+
+
+def checkpoint_save_requests(meta: dict, num_units: int) -> dict[int, dict]:
+    """Per unit, the SAVE_CHECKPOINT request naming the rows of ``meta`` (the controller's
+    metadata snapshot) it holds: index, generation, key and partition of every row with
+    fields that is not lost, as columns (``indexes``, ``gens``, ``part_of`` packed int64,
+    ``keys``, ``partitions``)."""
+    partitions = list(meta["partitions"])
+    cols = {u: ([], [], [], []) for u in range(num_units)}
+    for p, pid in enumerate(partitions):
+        for key, idx, fields, _tag, lost, gen in meta["partitions"][pid]["rows"]:
+            if fields and lost is None:
+                c = cols[owner(idx, num_units)]
+                c[0].append(idx)
+                c[1].append(gen)
+                c[2].append(key)
+                c[3].append(p)
+    return {u: {"indexes": pack_int64(c[0]), "gens": pack_int64(c[1]), "keys": c[2],
+                "part_of": pack_int64(c[3]), "partitions": partitions}
+            for u, c in cols.items()}

@@ -24,6 +24,7 @@ from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundEr
 from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLAN, MetaChange,
                             MetaJournal)
 from ..journal.controller import ControllerJournal
+from ..plan import checkpoint_save_requests
 from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
@@ -364,9 +365,23 @@ class KVRequests:
 
     # ---------------------------------------------------------------- checkpoint
     def checkpoint_snapshot(self, body, req):
+        """The metadata a checkpoint saves, refused while a restore is unresolved.
+
+        ``{"for_save": true}``: the snapshot packed as the checkpoint's controller file
+        (``metadata_packed``: the client writes it as is) with each unit's SAVE_CHECKPOINT
+        rows (``units``: ``[unit, columns]`` pairs), so the client neither decodes nor
+        re-encodes the metadata of every key. ``{"check_only": true}``: only the refusal
+        (a checkpoint load asks before it stages anything). Else the snapshot as a map."""
         self.restores.refuse("save_checkpoint")
-        return {"metadata": self.meta.snapshot(), "num_units": self.num_units,
-                "epoch": [self.incarnation, self.replace_epoch]}
+        if body.get("check_only"):
+            return {}
+        meta, epoch = self.meta.snapshot(), [self.incarnation, self.replace_epoch]
+        if not body.get("for_save"):
+            return {"metadata": meta, "num_units": self.num_units, "epoch": epoch}
+        return {"metadata_packed": codec.packb(meta), "num_units": self.num_units,
+                "epoch": epoch, "keys": sum(len(p["rows"]) for p in meta["partitions"].values()),
+                "units": [[u, r] for u, r in
+                          checkpoint_save_requests(meta, self.num_units).items()]}
 
     def checkpoint_check(self, body, req):
         """For a save whose units no longer held some rows at the snapshot's generation:

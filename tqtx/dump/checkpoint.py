@@ -21,9 +21,9 @@ from ..errors import (CheckpointBusyError, ControllerRecoveringError, DumpFormat
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
 from ..journal.dump import DumpJournal
 from ..arguments.table import check_snapshot_names
+from ..plan import checkpoint_save_requests
 from ..version import __version__
 from ..wire.codec import packb, unpackb
-from ..wire.columns import pack_int64
 from ..wire.peer import call_many
 from ..wire.rpc import new_id
 
@@ -82,7 +82,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
                     units.append({"unit": u, "file": paths.checkpoint_unit_file(u),
                                   "size": r["bytes"], "rows": r["rows"],
                                   "index": {"file": index, **idx}})
-                ctl = _write(pub.staging_dir / CONTROLLER, packb(snap["metadata"]))
+                ctl = _write(pub.staging_dir / CONTROLLER, snap["metadata_packed"])
                 _write(pub.staging_dir / METADATA, user_meta.encode())
                 version = LOG_FORMAT_VERSION if any("log" in u for u in units) \
                     else FORMAT_VERSION
@@ -97,13 +97,14 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
                 pub.abort(f"{type(exc).__name__}: {exc}")
                 raise
     return {"dir": ckpt_dir, "bytes": total, "num_units": client.num_units,
-            "keys": sum(len(p["rows"]) for p in snap["metadata"]["partitions"].values()),
+            "keys": snap["keys"],
             "seconds": time.perf_counter() - t0}
 
 
 def _save_units(client, units_dir) -> tuple[dict, dict]:
-    """The controller's metadata snapshot and every unit's file of the rows it names, in
-    ``units_dir``: ``(snapshot, SAVE_CHECKPOINT replies)``.
+    """The controller's metadata snapshot (packed as the checkpoint's controller file) and
+    every unit's file of the rows it names, in ``units_dir``: ``(snapshot, SAVE_CHECKPOINT
+    replies)``.
 
     Each row is saved at the generation the snapshot names; a row that moved since is
     settled with the controller (CHECKPOINT_CHECK): its key was cleared (absent from the
@@ -112,9 +113,9 @@ def _save_units(client, units_dir) -> tuple[dict, dict]:
     being written replaced every row: the snapshot is taken again (at most
     FENCE_ATTEMPTS times)."""
     for attempt in range(FENCE_ATTEMPTS):
-        snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
+        snap = client.controller.call("CHECKPOINT_SNAPSHOT", {"for_save": True})
         faults.hit("client.checkpoint.after_snapshot")
-        per_unit = _unit_requests(snap["metadata"], client.num_units)
+        per_unit = {u: body for u, body in snap["units"]}
         units_dir.mkdir()
         for u, body in per_unit.items():
             body["path"] = str(units_dir.parent / paths.checkpoint_unit_file(u))
@@ -131,12 +132,12 @@ def _save_units(client, units_dir) -> tuple[dict, dict]:
 
 def _settle_missing(client, snap: dict, replies: dict) -> bool:
     """Settle the rows the units no longer held at the snapshot's generation (see
-    :func:`_save_units`) in ``snap``'s metadata; False if a checkpoint load replaced the
-    buffer since the snapshot."""
+    :func:`_save_units`) in ``snap``'s packed metadata and key count; False if a checkpoint
+    load replaced the buffer since the snapshot."""
     missing = {i for r in replies.values() for i in r.get("missing", ())}
     if not missing:
         return True
-    meta = snap["metadata"]
+    meta = unpackb(snap["metadata_packed"])
     moved = [[pid, r[0], r[5]] for pid, data in meta["partitions"].items()
              for r in data["rows"] if r[1] in missing]
     check = client.controller.call("CHECKPOINT_CHECK", {"epoch": snap["epoch"],
@@ -157,28 +158,11 @@ def _settle_missing(client, snap: dict, replies: dict) -> bool:
         data["rows"] = kept
         if not kept:
             del meta["partitions"][pid]
+    snap["metadata_packed"] = packb(meta)
+    snap["keys"] = sum(len(p["rows"]) for p in meta["partitions"].values())
     log.info("save_checkpoint: %d keys cleared while it ran are left out, %d rows lost "
              "meanwhile are named lost", cleared, len(lost))
     return True
-
-
-def _unit_requests(meta: dict, num_units: int) -> dict[int, dict]:
-    """Per unit, the SAVE_CHECKPOINT request naming the rows of ``meta`` (the controller's
-    snapshot) it holds: index, generation, key and partition of every row with fields that
-    is not lost."""
-    partitions = list(meta["partitions"])
-    cols = {u: ([], [], [], []) for u in range(num_units)}
-    for p, pid in enumerate(partitions):
-        for key, idx, fields, _tag, lost, gen in meta["partitions"][pid]["rows"]:
-            if fields and lost is None:
-                c = cols[routing.owner(idx, num_units)]
-                c[0].append(idx)
-                c[1].append(gen)
-                c[2].append(key)
-                c[3].append(p)
-    return {u: {"indexes": pack_int64(c[0]), "gens": pack_int64(c[1]), "keys": c[2],
-                "part_of": pack_int64(c[3]), "partitions": partitions}
-            for u, c in cols.items()}
 
 
 def _read_checked(path, entry: dict) -> bytes:
@@ -239,7 +223,7 @@ def load(client, ckpt_dir: str) -> dict:
             idents = {r[1]: (pid, r[0], r[5]) for pid, data in meta["partitions"].items()
                       for r in data["rows"]}
         per_unit = {}
-        keep = _unit_requests(meta, client.num_units) if version >= 3 else {}
+        keep = checkpoint_save_requests(meta, client.num_units) if version >= 3 else {}
         for entry in manifest["units"]:
             if "log" in entry:
                 per_unit[entry["unit"]] = _log_load(ckpt_dir, mpath, entry,
@@ -253,7 +237,7 @@ def load(client, ckpt_dir: str) -> dict:
             per_unit[entry["unit"]] = {"path": path, "entries": entries,
                                        "expect": _expected_rows(path, entries, idents)}
         # The controller refuses while a restore is unresolved, before any unit is touched.
-        client.controller.call("CHECKPOINT_SNAPSHOT", {})
+        client.controller.call("CHECKPOINT_SNAPSHOT", {"check_only": True})
         load_id = _stage_everywhere(client, per_unit)
         # The controller journals the checkpoint's metadata and the units' read plan (the
         # decision), then switches every unit to its staged rows: a crash in between is
