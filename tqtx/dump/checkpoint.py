@@ -78,7 +78,7 @@ def save(client, ckpt_dir: str, *, metadata: dict | None = None,
                                               "files": r["log"]}})
                         continue
                     index = paths.checkpoint_unit_index(u)
-                    idx = _write(pub.staging_dir / index, packb(r["entries"]))
+                    idx = r["index"]  # the unit wrote and fsynced it beside its rows
                     units.append({"unit": u, "file": paths.checkpoint_unit_file(u),
                                   "size": r["bytes"], "rows": r["rows"],
                                   "index": {"file": index, **idx}})
@@ -120,6 +120,7 @@ def _save_units(client, units_dir) -> tuple[dict, dict]:
         for u, body in per_unit.items():
             body["path"] = str(units_dir.parent / paths.checkpoint_unit_file(u))
             body["log_dir"] = str(units_dir.parent / paths.checkpoint_unit_log_dir(u))
+            body["index_path"] = str(units_dir.parent / paths.checkpoint_unit_index(u))
         replies = client.fan_out("SAVE_CHECKPOINT", per_unit)
         if _settle_missing(client, snap, replies):
             return snap, replies

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from .. import format as fmt
 from .. import states as st
 from ..errors import CheckpointBusyError, DumpFormatError
+from ..layout import fsutil
+from ..wire.codec import packb
 from ..wire.columns import unpack_int64
 from ..wire.values import row_nbytes
 from .logdir import read_rows
@@ -56,8 +58,9 @@ log = logging.getLogger("tqtx.unit")
 @dataclass(frozen=True)
 class SaveRequest:
     """SAVE_CHECKPOINT: write to ``path`` the rows at ``indexes``, each of the generation
-    ``gens`` names, with its key and its partition (``partitions[part_of[i]]``); a unit
-    with a row log links the log's files into ``log_dir`` instead."""
+    ``gens`` names, with its key and its partition (``partitions[part_of[i]]``), and their
+    index (records ``[index, offset, length, crc]``) to ``index_path``; a unit with a row
+    log links the log's files into ``log_dir`` instead."""
 
     path: str
     indexes: array
@@ -66,12 +69,13 @@ class SaveRequest:
     part_of: array
     partitions: list[str]
     log_dir: str | None = None  # a unit with a row log links its files here instead
+    index_path: str | None = None  # None: the records come back in the reply
 
     @classmethod
     def from_wire(cls, body: dict) -> "SaveRequest":
         req = cls(body["path"], unpack_int64(body["indexes"]), unpack_int64(body["gens"]),
                   body["keys"], unpack_int64(body["part_of"]), body["partitions"],
-                  body.get("log_dir"))
+                  body.get("log_dir"), body.get("index_path"))
         if not len(req.indexes) == len(req.gens) == len(req.keys) == len(req.part_of):
             raise ValueError(f"SAVE_CHECKPOINT: {len(req.indexes)} indexes, {len(req.gens)} "
                              f"generations, {len(req.keys)} keys, {len(req.part_of)} "
@@ -171,8 +175,15 @@ class UnitCheckpoints:
                 writer = fmt.ShardWriter(save.path)
                 writer.write_rows(records)
                 entries = writer.close(fsync=True)
-                deferred.reply({"entries": entries, "bytes": writer.bytes_written,
-                                "rows": len(entries), "missing": missing})
+                reply = {"bytes": writer.bytes_written, "rows": len(entries),
+                         "missing": missing}
+                if save.index_path is None:
+                    reply["entries"] = entries
+                else:  # beside the rows, in parallel with the other units
+                    data = packb(entries)
+                    fsutil.write_file_synced(save.index_path, data, exclusive=True)
+                    reply["index"] = {"size": len(data), "crc32": fmt.checksum(data)}
+                deferred.reply(reply)
             except BaseException as exc:
                 deferred.reply(error=exc)
 
