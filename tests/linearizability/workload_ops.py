@@ -269,7 +269,7 @@ def worker_main(proc: int, cfg: dict, end: float) -> None:
         # strict: a get of a missing key raises KeysNotFoundError naming it, so every value
         # read is attributed to its key (TransferQueue's default leaves missing keys out of
         # the result; the fence under both is the same get_rows path)
-        tq.init(address=cfg["address"], config={"timeout": cfg["timeout"], "strict": True})
+        _attach(tq, cfg)
         worker = Worker(proc, cfg)
         while time.monotonic() < end:
             worker.step()
@@ -278,6 +278,21 @@ def worker_main(proc: int, cfg: dict, end: float) -> None:
         with open(os.path.join(cfg["dir"], "logs", f"w{proc}.fatal"), "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")
         raise
+
+
+def _attach(tq, cfg: dict, within: float = 60.0) -> None:
+    """Attach by address; a nemesis that kills the job may have the controller down right
+    now, so a dead or silent controller is asked again (as a trainer's retry would) until
+    it is back, for at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            tq.init(address=cfg["address"], config={"timeout": cfg["timeout"], "strict": True})
+            return
+        except (tq.PeerDiedError, tq.PeerTimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def main(cfg_path: str) -> int:

@@ -98,10 +98,19 @@ class RestoreGate(Protocol):
         is unresolved."""
 
 
-def plan_by_unit(unit_loads) -> dict[int, dict]:
-    """A checkpoint load's read plan as sent and journaled (``[[unit, LOAD_CHECKPOINT
-    body], ...]``) by unit."""
-    return {int(u): load for u, load in unit_loads}
+class CheckpointPlan:
+    """A checkpoint load's read plan as journaled: ``[[unit, LOAD_CHECKPOINT body], ...]``,
+    packed. Read only when a unit re-registers before it switched (it restarted and
+    reads its rows again), so it is decoded then, not on every load."""
+
+    def __init__(self, packed: bytes):
+        self.packed = packed
+        self._by_unit: dict[int, dict] | None = None
+
+    def for_unit(self, uid: int) -> dict | None:
+        if self._by_unit is None:
+            self._by_unit = {int(u): load for u, load in codec.unpackb(self.packed)}
+        return self._by_unit.get(uid)
 
 
 class KVRequests:
@@ -125,7 +134,7 @@ class KVRequests:
         self.checkpoint_load: tuple[str, int] | None = None
         # and each unit's LOAD_CHECKPOINT body of it: a unit that restarted before it
         # switched reads its rows again (None: the client sent none)
-        self.checkpoint_plan: dict[int, dict] | None = None
+        self.checkpoint_plan: CheckpointPlan | None = None
         self.replace_epoch = 0  # buffer replacements (checkpoint loads, ends) so far
 
     def journal_meta(self, op: str, change: MetaChange) -> None:
@@ -412,15 +421,21 @@ class KVRequests:
         neither staged nor applied, reads its rows again by the plan."""
         self.restores.refuse("load_checkpoint")
         self.require_units("load_checkpoint")
-        snap, load_id = body["metadata"], body.get("load_id")
+        snap, load_id = body.get("metadata"), body.get("load_id")
+        if snap is None:  # as the checkpoint's controller file holds it
+            snap = codec.unpackb(body["metadata_packed"])
         gen_base = self.meta.take_gens(self.meta.gen_span(snap))
         change = self.meta.plan_replace(snap, gen_base)
         plan = None
         if load_id:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
-            if body.get("unit_loads"):
-                plan = plan_by_unit(body["unit_loads"])
-                change.blobs = {CHECKPOINT_PLAN: codec.packb(body["unit_loads"])}
+            # the client packs the plan once (``unit_loads_packed``); it is journaled as is
+            packed = body.get("unit_loads_packed")
+            if packed is None and body.get("unit_loads"):
+                packed = codec.packb(body["unit_loads"])
+            if packed is not None:
+                plan = CheckpointPlan(bytes(packed))
+                change.blobs = {CHECKPOINT_PLAN: plan.packed}
             st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
         self.journal_meta("checkpoint_replace", change)
         if load_id:  # durable before any unit switches (and logs that it did)

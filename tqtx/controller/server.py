@@ -193,7 +193,8 @@ class Controller:
             if ck.get("applied") != load_id:
                 if load_id in (ck.get("staged") or ()):
                     return self._switch_first(uid)
-                plan = (self.kv.checkpoint_plan or {}).get(uid)
+                cp = self.kv.checkpoint_plan
+                plan = cp.for_unit(uid) if cp is not None else None
                 if plan is not None and ck.get("failed") != load_id:
                     return self._switch_first(uid, stage=plan)
                 stale = True

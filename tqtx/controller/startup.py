@@ -24,7 +24,7 @@ from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLA
 from ..layout.paths import find_dump_journal
 from ..plan import RestorePlan
 from ..wire import codec
-from .kv import plan_by_unit
+from .kv import CheckpointPlan
 
 log = logging.getLogger("tqtx.controller")
 
@@ -45,7 +45,7 @@ def replay(ctl) -> list[dict]:
         ctl.kv.checkpoint_load = (markers[CHECKPOINT_LOAD], int(markers[CHECKPOINT_GEN_BASE]))
         plan = (snap.get("blobs") or {}).get(CHECKPOINT_PLAN)
         if plan is not None:
-            ctl.kv.checkpoint_plan = plan_by_unit(codec.unpackb(plan))
+            ctl.kv.checkpoint_plan = CheckpointPlan(plan)
     keys = sum(len(p["rows"]) for p in snap["partitions"].values())
     if keys:
         log.warning("startup: replayed %d keys in %d partitions (%d lost rows) from the journal "

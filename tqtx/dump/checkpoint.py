@@ -19,6 +19,7 @@ from ..journal.publish import Publication, check_publish_target, dump_lock, reco
 from ..errors import (CheckpointBusyError, ControllerRecoveringError, DumpFormatError,
                       DumpNotFoundError, RestorePendingError, TqtxError)
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
+from ..client.gcpause import gc_paused
 from ..journal.dump import DumpJournal
 from ..arguments.table import check_snapshot_names
 from ..plan import checkpoint_save_requests
@@ -47,6 +48,7 @@ def _write(path, data: bytes) -> dict:
     return {"size": len(data), "crc32": fmt.checksum(data)}
 
 
+@gc_paused  # per-row objects, no cycles (see tqtx.client.gcpause)
 def save(client, ckpt_dir: str, *, metadata: dict | None = None,
          include_storage: bool = True) -> dict:
     """See :func:`tqtx.save_checkpoint`."""
@@ -196,6 +198,7 @@ def _expected_rows(path: str, entries, idents: dict | None) -> list | None:
     return out
 
 
+@gc_paused  # the metadata of every key, decoded: no cycles (see tqtx.client.gcpause)
 def load(client, ckpt_dir: str) -> dict:
     """See :func:`tqtx.load_checkpoint`."""
     t0 = time.perf_counter()
@@ -216,8 +219,8 @@ def load(client, ckpt_dir: str) -> dict:
             raise ValueError(f"unit count mismatch: checkpoint {ckpt_dir} was saved with "
                              f"{manifest['num_units']} units, this deployment has "
                              f"{client.num_units}")
-        meta = unpackb(_read_checked(os.path.join(ckpt_dir, CONTROLLER),
-                                     manifest["controller"]))
+        meta_packed = _read_checked(os.path.join(ckpt_dir, CONTROLLER), manifest["controller"])
+        meta = unpackb(meta_packed)
         check_snapshot_names(meta, os.path.join(ckpt_dir, CONTROLLER))
         idents = None
         if version >= 2:
@@ -244,9 +247,10 @@ def load(client, ckpt_dir: str) -> dict:
         # decision), then switches every unit to its staged rows: a crash in between is
         # rolled forward at restart, a unit that restarted meanwhile reading its rows again.
         try:
+            # the controller gets both as packed here: it journals the read plan as is
             client.controller.call("CHECKPOINT_REPLACE", {
-                "metadata": meta, "load_id": load_id,
-                "unit_loads": [[u, body] for u, body in per_unit.items()]})
+                "metadata_packed": meta_packed, "load_id": load_id,
+                "unit_loads_packed": packb([[u, body] for u, body in per_unit.items()])})
         except (RestorePendingError, ControllerRecoveringError):
             # refused before any decision: the staged rows go now, rather than hold the
             # units' staging slots (CheckpointBusyError for other loads) until they are stale
