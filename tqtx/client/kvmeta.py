@@ -8,6 +8,26 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("tqtx.kvmeta")
 
+_ATOMIC = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def copy_tags(tags: list) -> list:
+    """``copy.deepcopy(tags)``, with the usual tag (a dict of str keys and atomic values)
+    copied as a plain dict: 7,680 tags took 19 ms through deepcopy. As deepcopy does, a
+    tag object met twice is copied once and stays shared."""
+    memo: dict = {}
+    out = []
+    for tag in tags:
+        got = memo.get(id(tag))
+        if got is None:
+            if type(tag) is dict and all(type(k) is str and type(v) in _ATOMIC
+                                         for k, v in tag.items()):
+                got = memo[id(tag)] = dict(tag)
+            else:
+                got = copy.deepcopy(tag, memo)
+        out.append(got)
+    return out
+
 
 @dataclass
 class KVBatchMeta:
@@ -22,7 +42,7 @@ class KVBatchMeta:
 
     def __post_init__(self):
         self.keys = list(self.keys)
-        self.tags = copy.deepcopy(list(self.tags)) if self.tags else [{} for _ in self.keys]
+        self.tags = copy_tags(self.tags) if self.tags else [{} for _ in self.keys]
         if len(self.tags) != len(self.keys):
             raise ValueError(f"keys and tags must have the same length, got {len(self.keys)} "
                              f"keys and {len(self.tags)} tags")

@@ -183,7 +183,8 @@ def _rows_of_dense(t: torch.Tensor, field=None) -> list[RawTensor]:
     name = dtype_name(t.dtype)
     view = _byte_view(t)
     rs = view.nbytes // n if n else 0
-    return [RawTensor(name, row_shape, view[i * rs:(i + 1) * rs]) for i in range(n)]
+    new = RawTensor.of  # the shapes are tuples of ints already
+    return [new(name, row_shape, view[i * rs:(i + 1) * rs]) for i in range(n)]
 
 
 def _rows_of_nested(t: torch.Tensor, field=None) -> list[RawTensor]:
@@ -197,8 +198,9 @@ def _rows_of_nested(t: torch.Tensor, field=None) -> list[RawTensor]:
         rest = tuple(values.shape[1:])
         per = int(np.prod(rest)) * values.element_size() if rest else values.element_size()
         view = _byte_view(values)
-        return [RawTensor(name, (lengths[i], *rest),
-                          view[offsets[i] * per:(offsets[i] + lengths[i]) * per])
+        new = RawTensor.of  # lengths and rest are ints already
+        return [new(name, (lengths[i], *rest),
+                    view[offsets[i] * per:(offsets[i] + lengths[i]) * per])
                 for i in range(len(lengths))]
     return [to_raw(x, field) for x in t.unbind()]
 
