@@ -374,21 +374,19 @@ class KVRequests:
 
     # ---------------------------------------------------------------- checkpoint
     def checkpoint_snapshot(self, body, req):
-        """The metadata a checkpoint saves, refused while a restore is unresolved.
-
-        ``{"for_save": true}``: the snapshot packed as the checkpoint's controller file
-        (``metadata_packed``: the client writes it as is) with each unit's SAVE_CHECKPOINT
-        rows (``units``: ``[unit, columns]`` pairs), so the client neither decodes nor
-        re-encodes the metadata of every key. ``{"check_only": true}``: only the refusal
-        (a checkpoint load asks before it stages anything). Else the snapshot as a map."""
+        """The metadata a checkpoint saves, refused while a restore is unresolved: packed as
+        the checkpoint's controller file (``metadata_packed``: the client writes it as is)
+        with each unit's SAVE_CHECKPOINT rows (``units``: ``[unit, columns]`` pairs), so
+        the client neither decodes nor re-encodes the metadata of every key.
+        ``{"check_only": true}``: only the refusal (a checkpoint load asks before it
+        stages anything)."""
         self.restores.refuse("save_checkpoint")
         if body.get("check_only"):
             return {}
-        meta, epoch = self.meta.snapshot(), [self.incarnation, self.replace_epoch]
-        if not body.get("for_save"):
-            return {"metadata": meta, "num_units": self.num_units, "epoch": epoch}
+        meta = self.meta.snapshot()
         return {"metadata_packed": codec.packb(meta), "num_units": self.num_units,
-                "epoch": epoch, "keys": sum(len(p["rows"]) for p in meta["partitions"].values()),
+                "epoch": [self.incarnation, self.replace_epoch],
+                "keys": sum(len(p["rows"]) for p in meta["partitions"].values()),
                 "units": [[u, r] for u, r in
                           checkpoint_save_requests(meta, self.num_units).items()]}
 
@@ -421,9 +419,8 @@ class KVRequests:
         neither staged nor applied, reads its rows again by the plan."""
         self.restores.refuse("load_checkpoint")
         self.require_units("load_checkpoint")
-        snap, load_id = body.get("metadata"), body.get("load_id")
-        if snap is None:  # as the checkpoint's controller file holds it
-            snap = codec.unpackb(body["metadata_packed"])
+        # the metadata as the checkpoint's controller file holds it
+        snap, load_id = codec.unpackb(body["metadata_packed"]), body.get("load_id")
         gen_base = self.meta.take_gens(self.meta.gen_span(snap))
         change = self.meta.plan_replace(snap, gen_base)
         plan = None
@@ -431,8 +428,6 @@ class KVRequests:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
             # the client packs the plan once (``unit_loads_packed``); it is journaled as is
             packed = body.get("unit_loads_packed")
-            if packed is None and body.get("unit_loads"):
-                packed = codec.packb(body["unit_loads"])
             if packed is not None:
                 plan = CheckpointPlan(bytes(packed))
                 change.blobs = {CHECKPOINT_PLAN: plan.packed}

@@ -115,7 +115,7 @@ def _save_units(client, units_dir) -> tuple[dict, dict]:
     being written replaced every row: the snapshot is taken again (at most
     FENCE_ATTEMPTS times)."""
     for attempt in range(FENCE_ATTEMPTS):
-        snap = client.controller.call("CHECKPOINT_SNAPSHOT", {"for_save": True})
+        snap = client.controller.call("CHECKPOINT_SNAPSHOT", {})
         faults.hit("client.checkpoint.after_snapshot")
         per_unit = {u: body for u, body in snap["units"]}
         units_dir.mkdir()

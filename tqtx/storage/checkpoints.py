@@ -68,14 +68,14 @@ class SaveRequest:
     keys: list[str]
     part_of: array
     partitions: list[str]
+    index_path: str
     log_dir: str | None = None  # a unit with a row log links its files here instead
-    index_path: str | None = None  # None: the records come back in the reply
 
     @classmethod
     def from_wire(cls, body: dict) -> "SaveRequest":
         req = cls(body["path"], unpack_int64(body["indexes"]), unpack_int64(body["gens"]),
                   body["keys"], unpack_int64(body["part_of"]), body["partitions"],
-                  body.get("log_dir"), body.get("index_path"))
+                  body["index_path"], body.get("log_dir"))
         if not len(req.indexes) == len(req.gens) == len(req.keys) == len(req.part_of):
             raise ValueError(f"SAVE_CHECKPOINT: {len(req.indexes)} indexes, {len(req.gens)} "
                              f"generations, {len(req.keys)} keys, {len(req.part_of)} "
@@ -175,15 +175,12 @@ class UnitCheckpoints:
                 writer = fmt.ShardWriter(save.path)
                 writer.write_rows(records)
                 entries = writer.close(fsync=True)
-                reply = {"bytes": writer.bytes_written, "rows": len(entries),
-                         "missing": missing}
-                if save.index_path is None:
-                    reply["entries"] = entries
-                else:  # beside the rows, in parallel with the other units
-                    data = packb(entries)
-                    fsutil.write_file_synced(save.index_path, data, exclusive=True)
-                    reply["index"] = {"size": len(data), "crc32": fmt.checksum(data)}
-                deferred.reply(reply)
+                # the index beside the rows, in parallel with the other units
+                data = packb(entries)
+                fsutil.write_file_synced(save.index_path, data, exclusive=True)
+                deferred.reply({"bytes": writer.bytes_written, "rows": len(entries),
+                                "missing": missing,
+                                "index": {"size": len(data), "crc32": fmt.checksum(data)}})
             except BaseException as exc:
                 deferred.reply(error=exc)
 
