@@ -1,14 +1,16 @@
 """The controller's metadata journal under each durability setting (tqtx.journal.meta)."""
 from __future__ import annotations
 
+import errno
 import sqlite3
 import warnings
 
 import pytest
 
 from tqtx import durability as dur
+from tqtx.errors import JournalWriteError
 from tqtx.journal import meta
-from tqtx.journal.meta import DURABLE_CUT, MetaChange, MetaJournal, check_durability
+from tqtx.journal.meta import MetaChange, MetaJournal, check_durability
 from tqtx.journal.controller import ControllerJournal
 
 
@@ -75,8 +77,8 @@ def test_memory_writes_nothing(journal):
 
 
 def test_buffer_cuts_only_what_was_committed_since_the_last_cut(journal):
-    """A cut is due once something was committed and the interval passed; it is one FULL
-    transaction recording its number, after which the connection is NORMAL again."""
+    """A cut is due once something was committed and the interval passed; the connection
+    stays NORMAL (the cut fsyncs the WAL, see below)."""
     cj, open_ = journal
     mj = open_("buffer", 0.5)
     t0 = mj._last_cut
@@ -87,31 +89,46 @@ def test_buffer_cuts_only_what_was_committed_since_the_last_cut(journal):
     assert mj.cut_due(t0 + 0.5)
     assert mj.cut() and mj.cuts == 1
     assert _synchronous(mj) == 1
-    assert mj.load()["markers"][DURABLE_CUT].split()[0] == "1"
-    assert not mj.cut_due(mj._last_cut + 10)  # the cut's own write does not call for another
+    assert not mj.cut_due(mj._last_cut + 10)  # nothing committed since
     assert not mj.cut()
     mj.write(_change(1))
     mj.write(_change(2))
     assert mj.cut() and mj.cuts == 2  # one cut for every commit since the last one
-    assert mj.load()["markers"][DURABLE_CUT].split()[0] == "2"
 
 
-def test_a_cut_runs_one_full_synchronous_commit(journal, monkeypatch):
-    """The cut's commit is the one that runs under synchronous FULL (SQLite fsyncs the WAL
-    after such a commit): the statements on the connection say so, in order."""
+def test_a_cut_fsyncs_the_wal_and_writes_nothing(journal, monkeypatch):
+    """A cut is one fsync of the WAL (which holds every commit not yet checkpointed into
+    the database file): no statement on the connection, the stored state unchanged."""
     cj, open_ = journal
     mj = open_("buffer")
     mj.write(_change())
-    seen = []
+    before = mj.load()
+    synced, seen = [], []
+    real = meta.fsutil.fsync_file
+    monkeypatch.setattr(meta.fsutil, "fsync_file", lambda p: (synced.append(str(p)), real(p)))
     mj._db.set_trace_callback(seen.append)
     try:
         assert mj.cut()
     finally:
         mj._db.set_trace_callback(None)
-    full = seen.index("PRAGMA synchronous=FULL")
-    commit = seen.index("COMMIT")
-    normal = seen.index("PRAGMA synchronous=NORMAL")
-    assert full < commit < normal
+    assert synced == [mj.path + "-wal"] and seen == []
+    assert mj.load() == before
+
+
+def test_a_failed_cut_names_the_journal_and_is_tried_again(journal, monkeypatch):
+    cj, open_ = journal
+    mj = open_("buffer")
+    mj.write(_change())
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(meta.fsutil, "fsync_file", full)
+    with pytest.raises(JournalWriteError) as info:
+        mj.cut()
+    assert info.value.errno == errno.ENOSPC and info.value.filename == mj.path
+    assert mj.dirty and mj.cuts == 0
+    monkeypatch.undo()
+    assert mj.cut() and mj.cuts == 1 and not mj.dirty
 
 
 @pytest.mark.parametrize("durability", ["memory", "controller", "sync"])

@@ -147,5 +147,5 @@ ROWLOG_POINTS = ("unit.rowlog.before_append", "unit.rowlog.after_append",
                  "unit.rowlog.compact.after_unlink")
 # The controller's durable cut (durability buffer): killed there or failing, it keeps what
 # it committed (the WAL is in the page cache; a failed cut is tried again).
-ROWLOG_POINTS += ("controller.meta.durable_cut.before_commit",)
+ROWLOG_POINTS += ("controller.meta.durable_cut.before_fsync",)
 ROWLOG = {point: {"kill": ACKED_KEPT, "raise": ACKED_KEPT} for point in ROWLOG_POINTS}

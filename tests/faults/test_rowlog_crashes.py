@@ -38,7 +38,7 @@ FAST = {("unit.rowlog.after_append", "kill")}
 NTH = {"unit.rowlog.before_append": 3, "unit.rowlog.after_append": 3,
        "unit.rowlog.before_fsync": 3,
        # the first cut is the start's own commit, before the units registered
-       "controller.meta.durable_cut.before_commit": 3}
+       "controller.meta.durable_cut.before_fsync": 3}
 
 
 def _cases():

@@ -288,6 +288,54 @@ def test_sync_replies_after_an_fsync_that_concurrent_puts_share(tmp_path):
     _close(unit)
 
 
+def test_sync_a_loop_turn_writes_and_answers_its_requests_after_one_shared_fsync(tmp_path):
+    """With sync the loop's turn hook writes and fsyncs what the turn's requests queued
+    and answers them from the loop, one fsync for all; while the writer thread holds the
+    log (a compaction's batch, a cut), the turn leaves them to it."""
+    unit = _unit(tmp_path, sync=True)
+    rowlog = unit.rowlog
+    assert rowlog.sync_on_loop in unit.server.turn_hooks
+    answered: list = []
+
+    class Deferred:  # a request's deferred reply (tqtx.wire.rpc.Deferred)
+        def reply_on_loop(self, result=None, error=None):
+            answered.append(("loop", threading.current_thread().name, result, error))
+
+        def reply(self, result=None, error=None):
+            answered.append(("posted", threading.current_thread().name, result, error))
+
+    def request(i):
+        rowlog.row(i, 1, {"a": _tensor(i)})
+        rowlog.write()
+        rowlog.reply_when_durable(Deferred(), {"i": i})
+
+    fsyncs = rowlog.fsyncs
+    for i in range(5):  # five requests read in one turn
+        request(i)
+    threading.Event().wait(0.2)
+    assert answered == [] and rowlog.fsyncs == fsyncs  # the writer was not woken for them
+    rowlog.sync_on_loop()  # the end of the turn
+    me = threading.current_thread().name
+    assert answered == [("loop", me, {"i": i}, None) for i in range(5)]
+    assert rowlog.fsyncs == fsyncs + 1
+    answered.clear()
+    with rowlog._io:  # the writer is busy
+        request(9)
+        rowlog.sync_on_loop()
+        assert answered == []
+    for _ in range(500):
+        if answered:
+            break
+        threading.Event().wait(0.01)
+    assert answered == [("posted", "tqtx-rowlog", {"i": 9}, None)]
+    _close(unit)
+    again = _unit(tmp_path, sync=True)
+    try:
+        assert sorted(again.rows) == [0, 1, 2, 3, 4, 9]
+    finally:
+        _close(again)
+
+
 def test_a_clean_close_removes_only_the_logs_files(tmp_path):
     unit = _unit(tmp_path)
     _put(unit, [[0, {"a": _tensor(1)}]], [1])

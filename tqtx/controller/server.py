@@ -356,7 +356,9 @@ class Controller:
             self.server.serve_forever(poll_ms)
             if self.metajournal.cuts_wanted or self.metajournal.group_commits:
                 try:  # a clean stop leaves nothing it committed undurable
-                    self.metajournal.cut()
+                    if self.metajournal.cut():
+                        log.info("stopping: the metadata journal's last commits made "
+                                 "durable (cut %d)", self.metajournal.cuts)
                 except Exception:
                     log.exception("the last durable cut of the metadata journal failed")
         finally:

@@ -12,6 +12,7 @@ schema (migrations ``c0003``, ``c0004``) and the ORM models describe it.
 """
 from __future__ import annotations
 
+import errno
 import json
 from contextlib import contextmanager
 import sqlite3
@@ -25,17 +26,17 @@ from sqlalchemy import Engine
 from .. import durability as dur
 from .. import faults
 from ..wire import codec
+from ..errors import JournalWriteError
+from ..layout import fsutil
 from .base import journal_writes
 
 DURABILITY = dur.DURABILITY
 # SQLite's synchronous level per durability setting. WAL + NORMAL: a commit survives the
-# process (it is in the OS page cache), not a power loss; a FULL commit fsyncs the WAL.
+# process (it is in the OS page cache), not a power loss.
 # "buffer" commits as NORMAL and makes them durable at each cut (MetaJournal.cut).
 # "sync" commits without an fsync too: its requests share one durable cut per controller loop
 # turn (tqtx.controller.group_commit) before they are answered
 _SYNCHRONOUS = {dur.CONTROLLER: "NORMAL", dur.BUFFER: "NORMAL", dur.SYNC: "NORMAL"}
-# The marker each durable cut writes: its sequence number and wall-clock time.
-DURABLE_CUT = "durable_cut"
 # After a checkpoint SQLite truncates the WAL back to this size, so one large transaction
 # (a checkpoint replace of many keys) does not leave a large file behind.
 _WAL_SIZE_LIMIT = 16 << 20
@@ -258,26 +259,25 @@ class MetaJournal:
         """Make every transaction committed so far durable; False (nothing done) when none
         was committed since the last cut.
 
-        One transaction under synchronous FULL: in WAL mode SQLite fsyncs the WAL after a
-        FULL commit, and the WAL holds every earlier commit (https://sqlite.org/pragma.html
-        #pragma_synchronous). A PASSIVE checkpoint would not do: it syncs the WAL only when
-        it can copy frames back, which a reader holding an old snapshot prevents. The
-        transaction records the cut (marker :data:`DURABLE_CUT`: ``"<n> <unix time>"``).
-        Called on the controller's loop thread, the only one using this connection."""
+        An fsync of the WAL file: in WAL mode a commit under synchronous NORMAL is written
+        to the WAL and not fsynced, and the database file changes only in checkpoints,
+        which fsync the WAL before they copy it and the database file after
+        (https://sqlite.org/pragma.html#pragma_synchronous). So the WAL holds every commit
+        not yet in a durable database file, and one fsync of it does what a commit under
+        synchronous FULL would, without a transaction.
+        A PASSIVE checkpoint would not do: it syncs the WAL only when it can copy frames
+        back, which a reader holding an old snapshot prevents. Called on the controller's
+        loop thread, the only one using this connection."""
         if not self._dirty:
             return False
-        db = self._db
-        n = self.cuts + 1
         self._last_cut = time.monotonic()  # a failed cut is tried again an interval later
-        faults.hit("controller.meta.durable_cut.before_commit")
-        with journal_writes(self.path):
-            db.execute("PRAGMA synchronous=FULL")
-            try:
-                with self._transaction():
-                    db.execute(_SET_MARKER, (DURABLE_CUT, f"{n} {time.time():.6f}"))
-            finally:
-                db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[self.durability]}")
-        self.cuts = n
+        faults.hit("controller.meta.durable_cut.before_fsync")
+        try:
+            fsutil.fsync_file(self.path + "-wal")
+        except OSError as exc:
+            raise JournalWriteError(exc.errno or errno.EIO, f"{exc.strerror or exc} (making "
+                                    f"the journal durable)", self.path) from None
+        self.cuts += 1
         self._dirty = False
         return True
 

@@ -13,9 +13,12 @@ incarnation: the controller reconciles by it and drops rows no committed put acc
 The request loop only queues what a request changed (rows are never changed in place once
 stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
 order. With ``buffer`` it writes every half ``flush_interval_s`` and fsyncs every
-interval; with ``sync`` it runs as soon as a request waits for it (the reply of a request
-that stored rows is sent after the fsync that covers them; requests queued meanwhile share
-it).
+interval. With ``sync`` the reply of a request that stored rows is sent after the fsync
+that covers them: the loop itself writes and fsyncs at the end of its turn what the turn's
+requests queued, and answers them (they share that fsync; a handoff to the writer thread
+and back would cost two thread switches a put). The writer does it instead while it is
+busy or the log is failing; whoever writes holds the log's I/O lock, so the queue's order
+holds.
 
 Compaction frees the oldest file, one at a time, while the files hold more than 1.2x the
 live bytes (and ``COMPACT_SLACK`` more). The writer knows in which file each live row
@@ -45,6 +48,7 @@ from ..format import rowlog as fl
 from ..format.records import RecordEncoder
 from .logdir import LogDir
 from .rowlog_files import LogFiles, file_key, file_name
+from .rowlog_queue import Compacted, Cut, Waiter, answer
 
 log = logging.getLogger("tqtx.unit")
 
@@ -55,50 +59,6 @@ COMPACT_RATIO = 1.2
 COMPACT_SLACK = int(os.environ.get("TQTX_ROWLOG_COMPACT_SLACK", str(16 << 20)))
 WAKE_AT = 64  # requests' batches queued that wake the writer before its half interval
 _WHOLE = 0    # a queued ROW entry that holds the whole row (a compaction re-logs it)
-
-
-class _Compacted:
-    """A queue marker after the batch that re-logged the live rows of file ``key``: from
-    there on the file holds nothing live (unless ``failed``: the loop could not queue
-    them, and the file stays)."""
-
-    __slots__ = ("key", "failed")
-
-    def __init__(self, key: tuple, failed: bool = False):
-        self.key, self.failed = key, failed
-
-
-class _Waiter:
-    """Waits in the queue for the fsync that covers every change queued before it (a
-    deferred reply's stand-in for a caller that blocks)."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def reply(self, result=None, error=None) -> None:
-        self.error = error
-        self.done.set()
-
-    def wait(self, timeout: float, what: str) -> None:
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"the row log did not reach {what} in {timeout}s")
-        if self.error is not None:
-            raise self.error
-
-
-class _Cut(_Waiter):
-    """A queue marker: seal the open segment here and fsync; :meth:`wait` then gives the
-    number of the segment opened after it (every change queued before the cut is in the
-    files numbered below it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.next_segment = 0
-
-    def wait(self, timeout: float = 120.0, what: str = "a checkpoint's cut") -> int:
-        super().wait(timeout, what)
-        return self.next_segment
 
 
 class RowLog:
@@ -124,6 +84,8 @@ class RowLog:
         self._batch: list = []        # this request's changes (loop only)
         self._queue: list = []        # batches, waiters and markers for the writer
         self._cond = threading.Condition()
+        self._io = threading.Lock()  # held by whoever writes: the writer or the loop (sync)
+        self._loop_syncs = False  # sync: the loop's turn hook writes (see sync_on_loop)
         self._wake = False  # the writer has something to do before its next turn
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -217,7 +179,7 @@ class RowLog:
         if batch:
             with self._cond:
                 self._queue.append(batch)
-                if self.sync or len(self._queue) >= WAKE_AT:
+                if (self.sync and not self._loop_syncs) or len(self._queue) >= WAKE_AT:
                     self._wake = True
                     self._cond.notify()
 
@@ -233,18 +195,46 @@ class RowLog:
         """Send ``reply`` through ``deferred`` once every change queued so far is fsynced."""
         self._enqueue((deferred, reply))
 
+    def reply_when_durable(self, deferred, reply) -> None:
+        """Loop thread, a request's deferred reply: :meth:`when_durable`, left for the end
+        of the loop's turn when the loop writes (:meth:`sync_on_loop`)."""
+        if not self._loop_syncs:
+            self._enqueue((deferred, reply))
+            return
+        with self._cond:
+            self._queue.append((deferred, reply))
+
+    def sync_on_loop(self) -> None:
+        """The loop's turn hook with ``sync``: write and fsync what this turn's requests
+        queued, then answer them from the loop. Left to the writer (woken) while it holds
+        the I/O lock, or while the log is failing (it retries every interval)."""
+        if not self._queue:
+            return
+        if self.error is not None or not self._io.acquire(blocking=False):
+            if self.error is None:
+                with self._cond:
+                    self._wake = True
+                    self._cond.notify()
+            return
+        try:
+            with self._cond:
+                items, self._queue, self._wake = self._queue, [], False
+            self._sync_and_reply(self._write_items(items, on_loop=True), on_loop=True)
+        finally:
+            self._io.release()
+
     def flush(self, timeout: float = 60.0) -> None:
         """Block until every change made so far is written and fsynced."""
         self.write()
-        waiter = _Waiter()
+        waiter = Waiter()
         self.when_durable(waiter, None)
         waiter.wait(timeout, "a flush")
 
-    def cut(self) -> _Cut:
-        """Loop thread: mark where the queue stands for a checkpoint (see :class:`_Cut`
+    def cut(self) -> Cut:
+        """Loop thread: mark where the queue stands for a checkpoint (see :class:`Cut`
         and :meth:`link`)."""
         self.write()
-        cut = _Cut()
+        cut = Cut()
         self._enqueue(cut)
         return cut
 
@@ -255,7 +245,7 @@ class RowLog:
             self._wake = True
             self._cond.notify()
 
-    def link(self, cut: _Cut, target: str) -> list[dict]:
+    def link(self, cut: Cut, target: str) -> list[dict]:
         """Hard-link (copy across file systems) into ``target`` the files that hold every
         change before ``cut``: the newest base below its segment and the segments from that
         base on (all sealed: nothing is appended to them again, and a later compaction's
@@ -283,9 +273,9 @@ class RowLog:
             faults.hit("unit.rowlog.compact.before_relog")
         except Exception as exc:  # noqa: BLE001 - the file stays; the writer is told
             log.error("row log %s: compaction failed: %r", self.dir, exc)
-            batch, marker = [], _Compacted(key, failed=True)
+            batch, marker = [], Compacted(key, failed=True)
         else:
-            marker = _Compacted(key)
+            marker = Compacted(key)
         with self._cond:
             if batch:
                 self._queue.append(batch)
@@ -294,9 +284,14 @@ class RowLog:
             self._cond.notify()
 
     # ---------------------------------------------------------------- the writer thread
-    def start(self, call_soon: Callable[[Callable[[], None]], None]) -> "RowLog":
-        """Start the writer; ``call_soon(fn)`` runs ``fn`` on the request loop."""
+    def start(self, call_soon: Callable[[Callable[[], None]], None],
+              turn_hooks: list | None = None) -> "RowLog":
+        """Start the writer; ``call_soon(fn)`` runs ``fn`` on the request loop; with ``sync``
+        and the loop's ``turn_hooks``, the loop writes at the end of each turn."""
         self._call_soon = call_soon
+        if self.sync and turn_hooks is not None:
+            turn_hooks.append(self.sync_on_loop)
+            self._loop_syncs = True
         self._thread = threading.Thread(target=self._writer, name="tqtx-rowlog",
                                         daemon=True)
         self._thread.start()
@@ -313,27 +308,30 @@ class RowLog:
             with self._cond:
                 if not self._stopped and not self._wake:
                     self._cond.wait(step)
-                items, self._queue, self._wake = self._queue, [], False
-                stopping = self._stopped
-            waiters = self._write_items(items)
-            due = time.monotonic() >= last_sync + self.interval
-            # a compacted file goes after the fsync of the rows logged again: at once
-            if waiters or due or stopping or self._files.dead:
-                self._sync_and_reply(waiters)
-                last_sync = time.monotonic()
+            with self._io:
+                with self._cond:
+                    items, self._queue, self._wake = self._queue, [], False
+                    stopping = self._stopped
+                waiters = self._write_items(items)
+                due = time.monotonic() >= last_sync + self.interval
+                # a compacted file goes after the fsync of the rows logged again: at once
+                if waiters or due or stopping or self._files.dead:
+                    self._sync_and_reply(waiters)
+                    last_sync = time.monotonic()
             if stopping:  # what a failing disk still holds back is lost with the process
                 return
 
-    def _write_items(self, items: list) -> list:
+    def _write_items(self, items: list, on_loop: bool = False) -> list:
         """Write the queued batches (acting on the markers); returns the waiters met.
         A failed write is cut off its file and the items from it on are queued again to
-        be retried after the interval; its waiters get the error."""
+        be retried after the interval (by the writer: the loop does not wait); its waiters
+        get the error."""
         waiters = []
         for pos, item in enumerate(items):
             if type(item) is tuple:
                 waiters.append(item)
                 continue
-            if type(item) is _Cut:
+            if type(item) is Cut:
                 try:
                     self._seal()
                     item.next_segment = self._number
@@ -341,7 +339,7 @@ class RowLog:
                 except Exception as exc:  # noqa: BLE001 - the checkpoint's error
                     item.reply(error=exc)
                 continue
-            if type(item) is _Compacted:
+            if type(item) is Compacted:
                 self._compacted(item)
                 continue
             try:
@@ -354,10 +352,11 @@ class RowLog:
                 rest = items[pos:]
                 for other in rest:
                     if type(other) is tuple:
-                        other[0].reply(error=self._durable_error(exc))
+                        answer(other[0], on_loop, error=self._durable_error(exc))
                 with self._cond:
                     self._queue[:0] = [i for i in rest if type(i) is not tuple]
-                    self._cond.wait(self.interval)
+                    if not on_loop:
+                        self._cond.wait(self.interval)
                 break
         return waiters
 
@@ -445,7 +444,7 @@ class RowLog:
             wanted, marks = files.live_rows_of(oldest), files.live_marks_of(oldest)
             self._call_soon(lambda: self._relog(oldest, wanted, marks))
 
-    def _compacted(self, marker: _Compacted) -> None:
+    def _compacted(self, marker: Compacted) -> None:
         """The live rows of file ``marker.key`` are logged again: it goes after the next
         fsync (not before the files grew further, if that failed)."""
         self._compacting = False
@@ -495,7 +494,7 @@ class RowLog:
         self._open_segment()
         faults.hit("unit.rowlog.after_seal")
 
-    def _sync_and_reply(self, waiters: list) -> None:
+    def _sync_and_reply(self, waiters: list, on_loop: bool = False) -> None:
         """fsync what was written (sealed segments, the open one, the directory), then
         send the waiters' replies (an fsync error is their error)."""
         error = None
@@ -518,9 +517,9 @@ class RowLog:
             log.error("row log %s: fsync failed: %r", self.dir, exc)
         for deferred, reply in waiters:
             if error is None:
-                deferred.reply(reply)
+                answer(deferred, on_loop, reply)
             else:
-                deferred.reply(error=self._durable_error(error))
+                answer(deferred, on_loop, error=self._durable_error(error))
 
     def _durable_error(self, exc: BaseException) -> OSError:
         return OSError(getattr(exc, "errno", None) or 5, f"row log {self.dir}: the rows were "

@@ -137,7 +137,7 @@ class StorageUnit:
             log.info("unit %d: replayed %d rows from its row log %s (%d entries, %d bytes, "
                      "%.3fs)", self.unit_id, len(self.rows), log_dir,
                      self.replayed["entries"], self.replayed["bytes"], self.replayed["seconds"])
-        self.rowlog = rowlog.start(self.server.call_soon)
+        self.rowlog = rowlog.start(self.server.call_soon, self.server.turn_hooks)
 
     def _register_handlers(self) -> None:
         s = self.server
@@ -188,7 +188,7 @@ class StorageUnit:
             if not sync or req is None or type(reply) is Deferred:
                 return reply
             deferred = server.deferred(req, server.current_ident)
-            rowlog.when_durable(deferred, reply)
+            rowlog.reply_when_durable(deferred, reply)
             return deferred
         return handler
 
