@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the row log (durability "buffer" and "sync") costs and what it buys back.
 
-    python benchmarks/durable_buffer.py [--units 2] [--writers 8] [--seconds 5]
+    python benchmarks/durable_buffer.py [--units 2] [--writers 8] [--seconds 5] [--batch 8]
                                         [--ckpt-mb 256] [--reps 5] [--churn-live-mb 128]
                                         [--churn-seconds 30] [--keys 50000]
                                         [--key-bytes 21000] [--dir DIR] [--quick] [--json P]
@@ -12,8 +12,9 @@ On disk (--dir, default the temp dir), each figure in one run against its baseli
 * ``sync writers``: small trajectories (8 float32 fields, 16 KiB a row, one row per put)
   put for --seconds by 1 writer process, then by --writers processes at once, against one
   ``sync`` deployment: rows/s of each, their ratio (target: 8 writers >= 4x one: the
-  puts share fsyncs) and the per-process rate (target: >= 3,000/s). The same with
-  ``controller`` (no fsync) is the baseline.
+  puts share fsyncs) and the per-process rate (target: >= 3,000/s); then 1 writer putting
+  --batch trajectories a put (a rollout worker's batch). The same with ``controller`` (no
+  fsync) is the baseline.
 * ``fsync``: the median of 200 fsyncs of a 4 KiB append on the same disk (the floor a
   ``sync`` put pays; a tiny put targets one fsync + 0.3 ms, see benchmarks/durability.py).
 * ``checkpoint``: a --ckpt-mb MiB buffer (64 KiB rows) put once; ``save_checkpoint`` and
@@ -55,27 +56,27 @@ FIELDS = 8
 FIELD_FLOATS = 512  # 8 x 512 x 4 bytes = 16 KiB a row
 
 
-def _writer(address: str, seconds: float, start, out, wid: int) -> None:
+def _writer(address: str, seconds: float, start, out, wid: int, batch: int = 1) -> None:
     import torch
     from tensordict import TensorDict
 
     import tqtx as tq
     tq.init(address=address, config={"timeout": 60})
-    row = TensorDict({f"f{j}": torch.rand(1, FIELD_FLOATS) for j in range(FIELDS)},
-                     batch_size=[1])
+    rows = TensorDict({f"f{j}": torch.rand(batch, FIELD_FLOATS) for j in range(FIELDS)},
+                      batch_size=[batch])
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        tq.kv_batch_put([f"w{wid}-{n}"], "traj", row)
+        tq.kv_batch_put([f"w{wid}-{n}-{i}" for i in range(batch)], "traj", rows)
         n += 1
-    out.put(n / (time.perf_counter() - t0))
+    out.put(n * batch / (time.perf_counter() - t0))
     tq.close()
 
 
-def _writers(address: str, count: int, seconds: float) -> float:
+def _writers(address: str, count: int, seconds: float, batch: int = 1) -> float:
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(address, seconds, start, out, w))
+    procs = [ctx.Process(target=_writer, args=(address, seconds, start, out, w, batch))
              for w in range(count)]
     for p in procs:
         p.start()
@@ -96,10 +97,12 @@ def sync_writers(args, root: str) -> dict:
         address = tq.get_client().address
         one = _writers(address, 1, args.seconds)
         many = _writers(address, args.writers, args.seconds)
+        batched = _writers(address, 1, args.seconds, args.batch)
         tq.close()
         shutil.rmtree(state, ignore_errors=True)
         res[setting] = {"1 writer rows/s": one, f"{args.writers} writers rows/s": many,
-                        "ratio": many / one, "per process rows/s": many / args.writers}
+                        "ratio": many / one, "per process rows/s": many / args.writers,
+                        f"1 writer, {args.batch} a put, rows/s": batched}
     return res
 
 
@@ -268,6 +271,7 @@ def main() -> int:
     ap.add_argument("--units", type=int, default=2)
     ap.add_argument("--writers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--keys", type=int, default=50_000)
     ap.add_argument("--key-bytes", type=int, default=21_000)
     ap.add_argument("--ckpt-mb", type=int, default=256)
@@ -298,7 +302,9 @@ def main() -> int:
     for setting, r in out.get("writers", {}).items():
         print(f"{setting:10s} 1 writer {r['1 writer rows/s']:8.0f} rows/s   {args.writers} "
               f"writers {r[f'{args.writers} writers rows/s']:8.0f} rows/s   ratio "
-              f"{r['ratio']:.2f}   per process {r['per process rows/s']:.0f} rows/s")
+              f"{r['ratio']:.2f}   per process {r['per process rows/s']:.0f} rows/s   1 "
+              f"writer, {args.batch} a put, {r[f'1 writer, {args.batch} a put, rows/s']:.0f} "
+              f"rows/s")
     c = out.get("checkpoint")
     c and print(f"checkpoint of {args.ckpt_mb} MiB: save {c['controller']['save s']:.3f} s "
           f"(controller) / {c['buffer']['save s']:.3f} s (buffer) = "
