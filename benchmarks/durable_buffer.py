@@ -56,7 +56,7 @@ FIELDS = 8
 FIELD_FLOATS = 512  # 8 x 512 x 4 bytes = 16 KiB a row
 
 
-def _writer(address: str, seconds: float, start, out, wid: int, batch: int = 1) -> None:
+def _writer(address: str, seconds: float, start, out, wid: str, batch: int = 1) -> None:
     import torch
     from tensordict import TensorDict
 
@@ -67,17 +67,23 @@ def _writer(address: str, seconds: float, start, out, wid: int, batch: int = 1) 
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        tq.kv_batch_put([f"w{wid}-{n}-{i}" for i in range(batch)], "traj", rows)
+        tq.kv_batch_put([f"{wid}-{n}-{i}" for i in range(batch)], "traj", rows)
         n += 1
     out.put(n * batch / (time.perf_counter() - t0))
     tq.close()
 
 
+_RUNS = iter(range(1 << 30))
+
+
 def _writers(address: str, count: int, seconds: float, batch: int = 1) -> float:
+    """Rows/s of ``count`` writer processes together; every run puts new keys (a put of a
+    key that exists takes another round trip)."""
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(address, seconds, start, out, w, batch))
-             for w in range(count)]
+    run = next(_RUNS)
+    procs = [ctx.Process(target=_writer, args=(address, seconds, start, out, f"r{run}w{w}",
+                                               batch)) for w in range(count)]
     for p in procs:
         p.start()
     time.sleep(3.0)  # every writer attached and imported torch
