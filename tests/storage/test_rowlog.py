@@ -435,6 +435,48 @@ def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(
         _close(again)
 
 
+def test_sync_a_failed_write_in_the_loops_turn_answers_with_the_error_and_the_writer_retries(
+        tmp_path, monkeypatch):
+    """The loop never waits out a failing disk: the turn's requests get the error at once,
+    their changes stay queued, and the writer thread writes them once there is room."""
+    import errno
+
+    full = threading.Event()
+    real_writev = rl.fsutil.writev_all
+
+    def writev_all(fd, bufs):
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(rl.fsutil, "writev_all", writev_all)
+    unit = _unit(tmp_path, sync=True, flush_interval=0.05)
+    rowlog = unit.rowlog
+    answered: list = []
+
+    class Deferred:
+        def reply_on_loop(self, result=None, error=None):
+            answered.append((result, error))
+        reply = reply_on_loop
+
+    full.set()
+    rowlog.row(0, 1, {"a": _tensor(1)})
+    rowlog.write()
+    rowlog.reply_when_durable(Deferred(), {"rows": 1})
+    rowlog.sync_on_loop()
+    assert len(answered) == 1 and answered[0][0] is None
+    assert isinstance(answered[0][1], OSError) and "No space left" in str(answered[0][1])
+    assert rowlog.error is not None and rowlog._queue  # kept for the writer to retry
+    full.clear()
+    _settle(unit, lambda: rowlog.error is None and not rowlog._queue)
+    _close(unit)
+    again = _unit(tmp_path, sync=True)
+    try:
+        assert sorted(again.rows) == [0]
+    finally:
+        _close(again)
+
+
 def test_a_checkpoint_links_the_files_before_its_cut_and_leaves_a_base_being_written(
         tmp_path):
     unit = _unit(tmp_path)
