@@ -401,8 +401,8 @@ def test_a_power_loss_keeps_exactly_what_was_fsynced(tmp_path, monkeypatch):
         _close(again)
 
 
-def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(
-        tmp_path, monkeypatch):
+def _full_disk(monkeypatch) -> threading.Event:
+    """While the event is set, every write of the row log fails with ENOSPC."""
     import errno
 
     full = threading.Event()
@@ -414,6 +414,12 @@ def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(
         return real_writev(fd, bufs)
 
     monkeypatch.setattr(rl.fsutil, "writev_all", writev_all)
+    return full
+
+
+def test_a_full_disk_refuses_new_rows_and_the_log_catches_up_once_it_has_room(
+        tmp_path, monkeypatch):
+    full = _full_disk(monkeypatch)
     unit = _unit(tmp_path, flush_interval=0.05)
     _put(unit, [[0, {"a": _tensor(1)}]], [1])
     unit.rowlog.flush()
@@ -439,17 +445,7 @@ def test_sync_a_failed_write_in_the_loops_turn_answers_with_the_error_and_the_wr
         tmp_path, monkeypatch):
     """The loop never waits out a failing disk: the turn's requests get the error at once,
     their changes stay queued, and the writer thread writes them once there is room."""
-    import errno
-
-    full = threading.Event()
-    real_writev = rl.fsutil.writev_all
-
-    def writev_all(fd, bufs):
-        if full.is_set():
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_writev(fd, bufs)
-
-    monkeypatch.setattr(rl.fsutil, "writev_all", writev_all)
+    full = _full_disk(monkeypatch)
     unit = _unit(tmp_path, sync=True, flush_interval=0.05)
     rowlog = unit.rowlog
     answered: list = []
