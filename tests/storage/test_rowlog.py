@@ -29,6 +29,8 @@ def _unit(tmp_path, **kw) -> StorageUnit:
 def _loop_turn(unit) -> None:
     while unit.loop_calls:
         unit.loop_calls.pop(0)()
+    for hook in unit.server.turn_hooks:  # the end of the turn (sync: the loop writes)
+        hook()
 
 
 def _close(unit: StorageUnit, remove: bool = False) -> None:
@@ -249,9 +251,12 @@ def test_disk_use_stays_within_its_bound_throughout_a_churn(tmp_path, monkeypatc
     assert _state_after_reopen(unit, tmp_path) == want and len(want) == 64
 
 
-def test_clearing_everything_shrinks_the_directory_to_almost_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sync", [False, True])
+def test_clearing_everything_shrinks_the_directory_to_almost_nothing(tmp_path, monkeypatch,
+                                                                     sync):
+    """Also with sync, where the loop writes and the writer deletes the compacted files."""
     monkeypatch.setattr(rl, "COMPACT_SLACK", 16 << 10)
-    unit = _unit(tmp_path)
+    unit = _unit(tmp_path, sync=sync, flush_interval=0.05)
     unit.rowlog.segment_bytes = 64 << 10
     _put(unit, [[i, {"a": _tensor(i, 1024)}] for i in range(64)], [1] * 64)
     _drop(unit, list(range(64)), [1] * 64)

@@ -496,7 +496,8 @@ class RowLog:
 
     def _sync_and_reply(self, waiters: list, on_loop: bool = False) -> None:
         """fsync what was written (sealed segments, the open one, the directory), then
-        send the waiters' replies (an fsync error is their error)."""
+        send the waiters' replies (an fsync error is their error). Compacted files are
+        deleted by the writer (within an interval when the loop writes)."""
         error = None
         try:
             for fd in self._sealed:
@@ -508,7 +509,8 @@ class RowLog:
             for fd in self._sealed:
                 os.close(fd)
             self._sealed, self._unsynced = [], False
-            self._remove_dead()
+            if not on_loop:  # the loop never waits for a checkpoint linking the files
+                self._remove_dead()
             if self._dir_dirty:
                 fsutil.fsync_dir(self.dir)
                 self._dir_dirty = False
