@@ -171,9 +171,11 @@ def encode_record_parts(gidx: int, row: dict, encoder: RecordEncoder | None = No
     small_total = 0
     for name, value in row.items():
         if isinstance(value, RawTensor):
-            try:
-                ent = cache[(name, value.dtype, value.shape)]
-            except (KeyError, TypeError):
+            try:  # a miss is common (jagged rows' shapes vary): no KeyError raised for it
+                ent = cache.get((name, value.dtype, value.shape))
+            except TypeError:  # an unhashable shape
+                ent = None
+            if ent is None:
                 ent = _tensor_field(name, value, gidx, pack, cache)
                 if type(value.shape) is tuple and type(value.dtype) is str:
                     if len(cache) >= _FIELD_CACHE_MAX:
