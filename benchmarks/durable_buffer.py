@@ -40,6 +40,7 @@ On disk (--dir, default the temp dir), each figure in one run against its baseli
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -73,7 +74,7 @@ def _writer(address: str, seconds: float, start, out, wid: str, batch: int = 1) 
     tq.close()
 
 
-_RUNS = iter(range(1 << 30))
+_RUNS = itertools.count()
 
 
 def _writers(address: str, count: int, seconds: float, batch: int = 1) -> float:

@@ -198,23 +198,16 @@ class RowLog:
     def reply_when_durable(self, deferred, reply) -> None:
         """Loop thread, a request's deferred reply: :meth:`when_durable`, left for the end
         of the loop's turn when the loop writes (:meth:`sync_on_loop`)."""
-        if not self._loop_syncs:
-            self._enqueue((deferred, reply))
-            return
-        with self._cond:
-            self._queue.append((deferred, reply))
+        self._enqueue((deferred, reply), wake=not self._loop_syncs)
 
     def sync_on_loop(self) -> None:
         """The loop's turn hook with ``sync``: write and fsync what this turn's requests
         queued, then answer them from the loop. Left to the writer (woken) while it holds
         the I/O lock, or while the log is failing (it retries every interval)."""
-        if not self._queue:
+        if not self._queue or self.error is not None:
             return
-        if self.error is not None or not self._io.acquire(blocking=False):
-            if self.error is None:
-                with self._cond:
-                    self._wake = True
-                    self._cond.notify()
+        if not self._io.acquire(blocking=False):  # the writer is busy: it takes them next
+            self._wake_writer()
             return
         try:
             with self._cond:
@@ -238,10 +231,15 @@ class RowLog:
         self._enqueue(cut)
         return cut
 
-    def _enqueue(self, item) -> None:
-        """Queue a waiter or a marker for the writer, and wake it."""
+    def _enqueue(self, item, wake: bool = True) -> None:
+        """Queue a waiter or a marker for the writer, and (``wake``) wake it."""
         with self._cond:
             self._queue.append(item)
+        if wake:
+            self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        with self._cond:
             self._wake = True
             self._cond.notify()
 
