@@ -83,7 +83,10 @@ class Client:
         self._inbox_tried = False
         self.into_off: str | None = None  # why same-host gets do not copy into this process
         self.into_checked = False  # whether into_usable() looked at the platform yet
-        self.unsettled_results: list = []  # buffers of failed GET_INTOs (see result_layout)
+        self.unsettled_results: list = []  # buffers of failed GET_INTOs and same-host puts
+        self.put_from_off: str | None = None  # why same-host puts send frames (put_from)
+        self.put_from_checked = False
+        self.put_from_refused: dict[int, str] = {}  # units that could not read this process
         self.unit_generation = 0  # bumped when unit addresses change
         # client-side totals: calls, rows and bytes per kind (see client_stats)
         self.counters = {k: {"calls": 0, "rows": 0, "bytes": 0}

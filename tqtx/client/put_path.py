@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .. import faults, routing
 from ..errors import PeerDiedError, PutPartlyAppliedError
+from . import put_from
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..wire.rpc import new_id
 from ..wire.values import TensorColumn
@@ -195,23 +196,40 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
 def _write_rows(client, indexes, gens, columns, write) -> tuple[int, set]:
     """PUT_ROWS of the rows at positions ``write`` (None: all) to their units: ``(bytes
     written, indexes a unit refused as stale)``. A tensor field's rows travel under one
-    header per unit (TensorColumn)."""
+    header per unit (TensorColumn), or a unit on this host reads them from this process's
+    memory (:mod:`tqtx.client.put_from`)."""
     if not columns:
         return 0, set()
     tensor = {f: TensorColumn.of_rows(c) is not None for f, c in columns.items()}
     per_unit: dict[int, dict] = {}
+    positions: dict[int, list] = {}
     for u, pos in routing.by_owner(indexes, client.num_units).items():
         if write is not None:
             pos = [i for i in pos if i in write]
             if not pos:
                 continue
+        positions[u] = pos
         cols = {}
         for f, c in columns.items():
             rows = [c[i] for i in pos]
             cols[f] = TensorColumn(rows[0].dtype, rows) if tensor[f] else rows
         per_unit[u] = {"idx": [indexes[i] for i in pos], "cols": cols,
                        "gens": [gens[i] for i in pos]}
-    replies = client.fan_out("PUT_ROWS", per_unit) if per_unit else {}
+    if not per_unit:
+        return 0, set()
+    where = put_from.hint(client) if any(tensor.values()) else None
+    sent = per_unit if where is None else {
+        u: put_from.by_address(client, u, req, where, columns, positions[u])
+        for u, req in per_unit.items()}
+    try:
+        replies = client.fan_out("PUT_ROWS", sent)
+    except BaseException:
+        if where is not None:  # a unit that timed out may still be reading these rows
+            client.unsettled_results.append(columns)
+        raise
+    again = put_from.refused(client, per_unit, replies) if where is not None else None
+    if again:
+        replies.update(client.fan_out("PUT_ROWS", again))
     return (sum(r.get("bytes", 0) for r in replies.values()),
             {i for r in replies.values() for i in r.get("stale", ())})
 

@@ -233,10 +233,20 @@ class StorageUnit:
     def put_rows(self, body, req):
         """Store rows (``idx``: their indexes and ``cols``: field -> the rows' values, or
         ``rows``: ``[index, values]`` each; ``gens``: the generation of each; see
-        :meth:`store_row`). Rows refused because the index holds a newer generation (the
+        :meth:`store_row`; ``from``: tensor columns to read from a same-host client's
+        memory, see :meth:`shm.ReplyFiles.read_from`). Rows refused because the index holds a newer generation (the
         put's key was cleared and the index given to another key since ALLOC) come back as
         ``stale``."""
         items, want = body.get("rows"), body["gens"]
+        if body.get("from") is not None:  # a same-host put: read its tensors' rows first
+            try:
+                read = self.reply_files.read_from(body["from"].get("hint"),
+                                                  body["from"].get("cols"))
+            except OSError as exc:  # nothing stored: the client sends frames instead
+                return {"from_failed": f"unit {self.unit_id}: {exc}"}
+            if not isinstance(body.get("cols"), dict):
+                raise ValueError("PUT_ROWS: 'from' without 'cols'")
+            body["cols"].update(read)
         if items is None:
             items = rows_of_columns(body["idx"], body["cols"])
         if len(want) != len(items):
@@ -382,6 +392,7 @@ class StorageUnit:
                 "metrics_enabled": m.enabled, "gc_frozen": gc.get_freeze_count(),
                 "reply_files": self.reply_files.files,
                 "result_copies": self.reply_files.copies,
+                "put_reads": self.reply_files.reads,
                 "ops": m.ops_snapshot(), "totals": m.totals_snapshot(),
                 # malloc's free bytes (resident or handed back) and how often it trimmed
                 "malloc_free_bytes": free_bytes(),

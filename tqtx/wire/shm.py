@@ -23,22 +23,33 @@ made the inbox it proved (the pid and start time in the inbox's name). Where the
 refuses (Yama's ``ptrace_scope`` >= 1, a seccomp profile), the client goes back to reply
 files for good.
 
+A same-host put goes the other way (``PUT_ROWS`` with ``from``): the client names the
+inbox it proved and, per tensor column, its rows' dtype, shapes and addresses in its own
+memory; the unit allocates each row's buffer and fills it with ``process_vm_readv``
+(:meth:`ReplyFiles.read_from`), one copy, while ZeroMQ frames cost a copy into the socket
+and one out of it. A unit that cannot (not the inbox's host, the kernel refuses) stores
+nothing and says so; the client then sends that unit's rows as frames.
+
 Files of a client that died in the middle of a get stay in its directory; the next
 client on the host removes directories whose pid is gone, and only those that carry
 this module's marker file and belong to the same user.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
 import shutil
 import threading
+from array import array
+from math import prod
 
 from ..layout import fsutil
 from ..process.pids import process_alive, process_started
 from . import vmcopy
 from .columns import unpack_int64
+from .values import DTYPE_SIZES, RawTensor
 
 log = logging.getLogger("tqtx.shm")
 
@@ -186,6 +197,14 @@ class FileRows:
         self.dtype, self.shapes, self.file, self.offset = dtype, shapes, file, offset
 
 
+# A bytearray of n bytes left unfilled (the C API's documented NULL source): the kernel's
+# copy fills every byte of it, where bytearray(n) would zero them first, a pass over the
+# row's memory for nothing.
+_unfilled = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_unfilled.restype = ctypes.py_object
+_unfilled.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
 # ---------------------------------------------------------------- unit side
 class ReplyFiles:
     """A unit's side: check a client's hint once, write reply files into its inbox."""
@@ -196,6 +215,7 @@ class ReplyFiles:
         self._lock = threading.Lock()
         self.files = 0
         self.copies = 0  # GET_INTO columns copied into a client (STATS: "result_copies")
+        self.reads = 0  # PUT_ROWS read from a client's memory (STATS: "put_reads")
 
     def usable(self, hint) -> bool:
         """True if ``hint`` names an inbox this process can see (same host and mount
@@ -292,3 +312,42 @@ class ReplyFiles:
                 todo.append((at, buf))
         vmcopy.write(owner[0], address, todo)
         self.copies += 1
+
+    def read_from(self, hint, columns) -> dict:
+        """The rows of a same-host put, read out of the client's memory: ``columns`` maps a
+        field to ``[dtype, row shapes, row addresses]`` (addresses packed unsigned 64-bit,
+        :func:`vmcopy.addresses`) in the process that made ``hint``'s inbox. Returns field
+        -> the rows' RawTensors, each owning a buffer of its own. OSError if the inbox is
+        not proven or the kernel refuses (nothing is kept), ValueError if malformed."""
+        if not isinstance(hint, dict) or not isinstance(columns, dict):
+            raise ValueError("PUT_ROWS: malformed 'from'")
+        owner = inbox_owner(hint)
+        if owner is None or not self.usable(hint) or not process_alive(*owner):
+            raise OSError(f"no proven client process for inbox {hint.get('dir')!r}")
+        out, todo = {}, []
+        for field, spec in columns.items():
+            try:
+                dtype, shapes, packed = spec
+                size = DTYPE_SIZES[dtype]
+                at = array("Q")
+                at.frombytes(packed)
+            except (TypeError, ValueError, KeyError) as exc:
+                raise ValueError(f"PUT_ROWS: field {field!r}: malformed rows to read "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if not isinstance(shapes, list) or len(shapes) != len(at):
+                raise ValueError(f"PUT_ROWS: field {field!r}: {len(at)} addresses for "
+                                 f"{len(shapes) if isinstance(shapes, list) else 'no'} shapes")
+            rows, new = [], RawTensor.of  # shapes checked below, dtype above
+            for shape, address in zip(shapes, at):
+                if type(shape) not in (list, tuple) or not all(
+                        type(d) is int and d >= 0 for d in shape):
+                    raise ValueError(f"PUT_ROWS: field {field!r}: malformed shape {shape!r}")
+                n = prod(shape) * size
+                buf = _unfilled(None, n) if n else bytearray()
+                if n:
+                    todo.append((address, buf))
+                rows.append(new(dtype, tuple(shape), buf))
+            out[field] = rows
+        vmcopy.read(owner[0], todo)
+        self.reads += 1
+        return out

@@ -1,11 +1,13 @@
-"""Copy byte buffers of this process into another process's memory (Linux
-``process_vm_writev``), for same-host gets (see :mod:`tqtx.wire.shm`).
+"""Copy byte buffers between this process and another one on the same host (Linux
+``process_vm_writev`` / ``process_vm_readv``): a unit writes a same-host get's rows into
+the client's result and reads a same-host put's rows out of the client's tensors (see
+:mod:`tqtx.wire.shm`).
 
-One system call moves up to ``IOV_MAX`` (:mod:`tqtx.layout.fsutil`) buffers, each to its own
-address, straight from the buffers' memory: no staging copy here, and the kernel faults the
-target's fresh pages in as it copies. The kernel allows it when the caller may ptrace the
-target (same user, and Yama's ``ptrace_scope`` or a seccomp profile may still refuse:
-:func:`write` then raises ``PermissionError``).
+One system call moves up to ``IOV_MAX`` (:mod:`tqtx.layout.fsutil`) buffers, each to or from
+its own address, straight from or into the buffers' memory: no staging copy, and the kernel
+faults fresh pages in as it copies. The kernel allows it when the caller may ptrace the
+other process (same user, and Yama's ``ptrace_scope`` or a seccomp profile may still
+refuse: :func:`write` and :func:`read` then raise ``PermissionError``).
 """
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ class _PyBuffer(ctypes.Structure):
                 ("internal", ctypes.c_void_p)]
 
 
-def _load_libc():
+def _load_libc(name: str):
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.process_vm_writev
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_ssize_t
@@ -38,7 +40,9 @@ def _load_libc():
     return fn
 
 
-_WRITEV = _load_libc()
+_WRITEV = _load_libc("process_vm_writev")
+_READV = _load_libc("process_vm_readv")
+_PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1
 _get_buffer = ctypes.pythonapi.PyObject_GetBuffer
 _get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
 _release_buffer = ctypes.pythonapi.PyBuffer_Release
@@ -46,8 +50,9 @@ _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
 
 
 def available() -> bool:
-    """Whether this platform has ``process_vm_writev`` (and 64-bit iovecs)."""
-    return _WRITEV is not None and ctypes.sizeof(ctypes.c_void_p) == 8
+    """Whether this platform has ``process_vm_writev`` and ``process_vm_readv`` (and
+    64-bit iovecs)."""
+    return None not in (_WRITEV, _READV) and ctypes.sizeof(ctypes.c_void_p) == 8
 
 
 def ptrace_restricted() -> bool:
@@ -65,10 +70,34 @@ def write(pid: int, address: int, rows: list) -> None:
     offset`` in process ``pid``. OSError (PermissionError when refused) if the kernel does
     not move every byte."""
     for i in range(0, len(rows), IOV_MAX):
-        _write_some(pid, address, rows[i:i + IOV_MAX])
+        _move(_WRITEV, _PyBUF_SIMPLE, pid, address, rows[i:i + IOV_MAX])
 
 
-def _write_some(pid: int, address: int, rows: list) -> None:
+def read(pid: int, rows: list) -> None:
+    """Fill each ``(address, buffer)`` of ``rows`` (writable contiguous byte buffers) with
+    as many bytes from ``address`` in process ``pid``. OSError (PermissionError when
+    refused, EFAULT for an address that is not mapped there) if the kernel does not move
+    every byte."""
+    for i in range(0, len(rows), IOV_MAX):
+        _move(_READV, _PyBUF_WRITABLE, pid, 0, rows[i:i + IOV_MAX])
+
+
+def addresses(buffers: list) -> array:
+    """The address of each of ``buffers`` (contiguous byte buffers) in this process, as
+    unsigned 64-bit words: where a unit that shares the host reads them (:func:`read`)."""
+    out = array("Q", bytes(8 * len(buffers)))
+    view, get, release = _PyBuffer(), _get_buffer, _release_buffer
+    for i, buf in enumerate(buffers):
+        get(buf, view, _PyBUF_SIMPLE)
+        out[i] = view.buf or 0
+        release(view)
+    return out
+
+
+def _move(fn, flags: int, pid: int, address: int, rows: list) -> None:
+    """One ``process_vm_writev`` / ``process_vm_readv`` (``fn``) of up to IOV_MAX ``(offset
+    or address, local buffer)`` pairs: the remote side of a pair is ``address`` + its first
+    item."""
     k = len(rows)
     views = (_PyBuffer * k)()
     # iovec arrays as (base, length) pairs of 64-bit words: no ctypes field access per row
@@ -78,17 +107,18 @@ def _write_some(pid: int, address: int, rows: list) -> None:
     try:
         for i, (at, buf) in enumerate(rows):
             view = views[i]
-            get(buf, view, 0)  # PyBUF_SIMPLE: contiguous bytes, held until the call is done
+            get(buf, view, flags)  # contiguous bytes, held until the call is done
             held += 1
             n = view.len
             j = 2 * i
             local[j], local[j + 1] = view.buf, n
             remote[j], remote[j + 1] = address + at, n
             total += n
-        moved = _WRITEV(pid, local.buffer_info()[0], k, remote.buffer_info()[0], k, 0)
+        moved = fn(pid, local.buffer_info()[0], k, remote.buffer_info()[0], k, 0)
         if moved != total:
             err = ctypes.get_errno() if moved < 0 else 0
-            raise OSError(err, f"process_vm_writev into pid {pid}: "
+            what = "process_vm_writev into" if fn is _WRITEV else "process_vm_readv from"
+            raise OSError(err, f"{what} pid {pid}: "
                                f"{os.strerror(err) if err else f'{moved} of {total} bytes'}")
     finally:
         for i in range(held):
