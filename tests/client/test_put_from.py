@@ -62,11 +62,13 @@ def test_row_addresses_from_the_split_match_the_rows_buffers(kind):
     _, columns = _column(kind, 50)
     rows = columns["x"]
     assert isinstance(rows, tensors.TensorRows)
-    assert list(rows.sizes) == [r.data.nbytes for r in rows]
+    addresses, sizes = rows.where()
+    assert list(sizes) == [r.data.nbytes for r in rows]
     # the vectorized addresses are those the rows' own buffers report (empty rows aside)
     own = vmcopy.addresses([r.data for r in rows])
-    assert [a for a, r in zip(rows.addresses, rows) if r.data.nbytes] == \
+    assert [a for a, r in zip(addresses, rows) if r.data.nbytes] == \
         [a for a, r in zip(own, rows) if r.data.nbytes]
+    assert rows.where()[0] is addresses  # computed once
 
 
 @pytest.mark.parametrize("kind", ["dense", "jagged", "narrowed", "scalar"])

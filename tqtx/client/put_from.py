@@ -20,10 +20,12 @@ import numpy as np
 from ..wire import shm, vmcopy
 from ..wire.rpc import new_id
 from ..wire.values import TensorColumn
+from .tensors import TensorRows
 
 log = logging.getLogger("tqtx.client")
 
 MIN_BYTES = shm.MIN_BYTES
+FEW_ROWS = 32
 _OFF = ("0", "off", "false", "no")
 
 
@@ -43,7 +45,7 @@ def hint(client) -> dict | None:
     return None if inbox is None else inbox.hint_for(new_id())
 
 
-def by_address(client, unit: int, req: dict, where: dict, columns: dict,
+def by_address(client, unit: int, req: dict, inbox: dict, columns: dict,
                positions: list) -> dict:
     """``req`` (a PUT_ROWS of frames: the rows at ``positions`` of the put's ``columns``)
     with its TensorColumns named by address for the unit to read, if it is worth it and
@@ -52,22 +54,24 @@ def by_address(client, unit: int, req: dict, where: dict, columns: dict,
         return req
     fields = [f for f, c in req["cols"].items() if type(c) is TensorColumn]
     pos = np.asarray(positions, dtype=np.int64)
+    # a few rows are summed one by one: a small put does no numpy work for its addresses
+    few = len(positions) <= FEW_ROWS
+    where = {f: columns[f].where() if type(columns[f]) is TensorRows and not few else None
+             for f in fields}
     nbytes = 0
     for f in fields:
-        sizes = getattr(columns[f], "sizes", None)  # a TensorRows (client.tensors)
-        nbytes += (int(sizes[pos].sum()) if sizes is not None
+        nbytes += (int(where[f][1][pos].sum()) if where[f] is not None
                    else sum(memoryview(r.data).nbytes for r in req["cols"][f].rows))
     if nbytes < MIN_BYTES:
         return req
     cols, read = dict(req["cols"]), {}
     for f in fields:
         rows = req["cols"][f].rows
-        at = getattr(columns[f], "addresses", None)
         cols[f] = None  # the unit fills it in, keeping the fields' order
         read[f] = [rows[0].dtype, [r.shape for r in rows],
-                   (at[pos].tobytes() if at is not None
+                   (where[f][0][pos].tobytes() if where[f] is not None
                     else vmcopy.addresses([r.data for r in rows]).tobytes())]
-    return {**req, "cols": cols, "from": {"hint": where, "cols": read}}
+    return {**req, "cols": cols, "from": {"hint": inbox, "cols": read}}
 
 
 def refused(client, sent: dict, replies: dict) -> dict:

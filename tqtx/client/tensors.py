@@ -177,18 +177,33 @@ def _column_of_values(values: list, field: str) -> list:
 
 
 class TensorRows(list):
-    """The rows of one tensor field split from a batch (RawTensor views into one buffer),
-    with each row's ``addresses`` in this process and its ``sizes`` in bytes (numpy
-    uint64 arrays, made in one step from the buffer's address and the rows' offsets): a
-    same-host put names rows by address (:mod:`tqtx.client.put_from`)."""
+    """The rows of one tensor field split from a batch (RawTensor views into one buffer)
+    and where they lie: :meth:`where` gives each row's address in this process and its size
+    in bytes, for a same-host put that names rows by address (:mod:`tqtx.client.put_from`).
+    Both are computed in one step from the buffer's address and the rows' offsets, and only
+    when asked for (a small put never is)."""
 
-    __slots__ = ("addresses", "sizes")
+    __slots__ = ("_layout",)
+
+    def where(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(addresses, sizes)``: numpy uint64 arrays, one entry per row."""
+        base, starts, sizes, per = self._layout
+        if type(starts) is not np.ndarray:
+            n = len(self)
+            if starts is None:  # dense: rows of ``per`` bytes back to back
+                starts = np.arange(n, dtype=np.uint64) * np.uint64(per)
+                sizes = np.full(n, per, dtype=np.uint64)
+            else:  # jagged: element offsets and lengths, ``per`` bytes an element
+                starts = np.asarray(starts[:n], dtype=np.uint64) * np.uint64(per)
+                sizes = np.asarray(sizes, dtype=np.uint64) * np.uint64(per)
+            starts += np.uint64(base)
+            self._layout = (base, starts, sizes, per)
+        return starts, sizes
 
 
-def _row_list(rows: list, base: int, starts, sizes) -> TensorRows:
+def _row_list(rows: list, base: int, starts, sizes, per: int) -> TensorRows:
     out = TensorRows(rows)
-    out.addresses = np.asarray(starts, dtype=np.uint64) + np.uint64(base)
-    out.sizes = np.asarray(sizes, dtype=np.uint64)
+    out._layout = (base, starts, sizes, per)
     return out
 
 
@@ -201,8 +216,7 @@ def _rows_of_dense(t: torch.Tensor, field=None) -> list[RawTensor]:
     rs = view.nbytes // n if n else 0
     new = RawTensor.of  # the shapes are tuples of ints already
     rows = [new(name, row_shape, view[i * rs:(i + 1) * rs]) for i in range(n)]
-    return _row_list(rows, t.data_ptr() if rs else 0, np.arange(n, dtype=np.uint64) * rs,
-                     np.full(n, rs, dtype=np.uint64))
+    return _row_list(rows, t.data_ptr() if rs else 0, None, None, rs)
 
 
 def _rows_of_nested(t: torch.Tensor, field=None) -> list[RawTensor]:
@@ -220,9 +234,8 @@ def _rows_of_nested(t: torch.Tensor, field=None) -> list[RawTensor]:
         rows = [new(name, (lengths[i], *rest),
                     view[offsets[i] * per:(offsets[i] + lengths[i]) * per])
                 for i in range(len(lengths))]
-        return _row_list(rows, values.data_ptr() if view.nbytes else 0,
-                         np.asarray(offsets[:len(lengths)], dtype=np.uint64) * per,
-                         np.asarray(lengths, dtype=np.uint64) * per)
+        return _row_list(rows, values.data_ptr() if view.nbytes else 0, offsets, lengths,
+                         per)
     return [to_raw(x, field) for x in t.unbind()]
 
 
