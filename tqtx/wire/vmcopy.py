@@ -40,6 +40,11 @@ def _load_libc(name: str):
     return fn
 
 
+# One array type for every call: ctypes caches a new type per length asked for, and a unit
+# that made one while it held rows would keep the memory around it after a clear
+# (docs/performance.md, *Unit memory*).
+_Views = _PyBuffer * IOV_MAX
+
 _WRITEV = _load_libc("process_vm_writev")
 _READV = _load_libc("process_vm_readv")
 _PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1
@@ -99,7 +104,7 @@ def _move(fn, flags: int, pid: int, address: int, rows: list) -> None:
     or address, local buffer)`` pairs: the remote side of a pair is ``address`` + its first
     item."""
     k = len(rows)
-    views = (_PyBuffer * k)()
+    views = _Views()
     # iovec arrays as (base, length) pairs of 64-bit words: no ctypes field access per row
     local, remote = array("Q", bytes(16 * k)), array("Q", bytes(16 * k))
     held = total = 0
