@@ -24,12 +24,15 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
+from operator import itemgetter
 
 from ..errors import KeysNotFoundError, RowsLostError
 from ..journal.meta import MetaChange
 from ..routing import owner
 from ..schema import check_schema_compatible, merge_schema
 from .tags import NO_TAG, merge_tag
+
+_INDEX_OF = itemgetter(1)  # a snapshot row's global index (see Metadata.snapshot)
 
 EMPTY: frozenset = frozenset()
 # Generations are ``incarnation << GEN_SHIFT | counter``: 2**40 keys per controller
@@ -456,8 +459,8 @@ class Metadata:
         per index below its highest."""
         top = int(snap["next_index"])
         for data in snap["partitions"].values():
-            for row in data["rows"]:
-                top = max(top, row[1] + 1)
+            if data["rows"]:
+                top = max(top, max(map(_INDEX_OF, data["rows"])) + 1)
         return top
 
     def drop_all(self) -> None:
