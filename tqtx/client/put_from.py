@@ -53,9 +53,9 @@ def by_address(client, unit: int, req: dict, inbox: dict, columns: dict,
     if unit in client.put_from_refused:
         return req
     fields = [f for f, c in req["cols"].items() if type(c) is TensorColumn]
-    pos = np.asarray(positions, dtype=np.int64)
     # a few rows are summed one by one: a small put does no numpy work for its addresses
     few = len(positions) <= FEW_ROWS
+    pos = None if few else np.asarray(positions, dtype=np.int64)
     where = {f: columns[f].where() if type(columns[f]) is TensorRows and not few else None
              for f in fields}
     nbytes = 0
