@@ -114,6 +114,15 @@ def no_lease(monkeypatch):
 
 
 @pytest.fixture
+def inbox(tmp_path):
+    """A same-host client inbox (tqtx.wire.shm.GetInbox) made in ``tmp_path``."""
+    from tqtx.wire import shm
+    box = shm.GetInbox(str(tmp_path))
+    yield box
+    box.close()
+
+
+@pytest.fixture
 def pid():
     """A partition id unique to the test."""
     return f"p-{uuid.uuid4().hex[:8]}"

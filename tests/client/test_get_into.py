@@ -21,13 +21,6 @@ from tqtx.wire.columns import pack_int64
 pytestmark = pytest.mark.skipif(not vmcopy.available(), reason="needs process_vm_writev")
 
 
-@pytest.fixture
-def inbox(tmp_path):
-    box = shm.GetInbox(str(tmp_path))
-    yield box
-    box.close()
-
-
 def _raw(t):
     return tensors.to_raw(t)
 

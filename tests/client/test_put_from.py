@@ -19,13 +19,6 @@ from tqtx.wire.values import TensorColumn
 pytestmark = pytest.mark.skipif(not vmcopy.available(), reason="needs process_vm_readv")
 
 
-@pytest.fixture
-def inbox(tmp_path):
-    box = shm.GetInbox(str(tmp_path))
-    yield box
-    box.close()
-
-
 def _client():
     return types.SimpleNamespace(put_from_refused={})
 

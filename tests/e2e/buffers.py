@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 
 def rollout_batch(n: int, *, seed: int = 0, start: int = 0):
@@ -22,6 +22,20 @@ def rollout_batch(n: int, *, seed: int = 0, start: int = 0):
     tags = [{"status": "running" if i % 3 else "finished", "step": i,
              "score": torch.tensor([float(i), 1.0])} for i in range(n)]
     return keys, td, tags
+
+
+def same_host_batch(n: int, seed: int):
+    """(TensorDict, jagged rows) of ``n`` rows: dense, jagged, scalar and text fields."""
+    g = torch.Generator().manual_seed(seed)
+    jag = [torch.randint(0, 1000, (int(k),), generator=g) for k in
+           torch.randint(1, 400, (n,), generator=g)]
+    td = TensorDict({
+        "dense": torch.rand(n, 33, generator=g),
+        "tokens": torch.nested.nested_tensor(jag, layout=torch.jagged),
+        "reward": torch.rand(n, generator=g),
+        "text": NonTensorStack(*[f"sample {i}" for i in range(n)]),
+    }, batch_size=[n])
+    return td, jag
 
 
 def rows_of(td: TensorDict) -> list[dict]:

@@ -13,22 +13,10 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 import tqtx as tq
+from buffers import same_host_batch as _batch
 from tqtx.client import semantics
 
 pytestmark = pytest.mark.strict
-
-
-def _batch(n: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    jag = [torch.randint(0, 1000, (int(k),), generator=g) for k in
-           torch.randint(1, 400, (n,), generator=g)]
-    td = TensorDict({
-        "dense": torch.rand(n, 33, generator=g),
-        "tokens": torch.nested.nested_tensor(jag, layout=torch.jagged),
-        "reward": torch.rand(n, generator=g),
-        "text": NonTensorStack(*[f"sample {i}" for i in range(n)]),
-    }, batch_size=[n])
-    return td, jag
 
 
 def _unit_files() -> list[int]:

@@ -26,13 +26,6 @@ def no_reserve(monkeypatch):
     monkeypatch.setattr(shm, "RESERVE_SHARE", 0.0)
 
 
-@pytest.fixture
-def inbox(tmp_path):
-    box = shm.GetInbox(str(tmp_path))
-    yield box
-    box.close()
-
-
 def _raw(t: torch.Tensor) -> RawTensor:
     return tensors.to_raw(t)
 
