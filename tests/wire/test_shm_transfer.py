@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -196,3 +197,40 @@ def test_a_forked_child_never_removes_its_parents_inbox(inbox):
     inbox.close()
     assert os.path.isdir(inbox.dir)
     inbox.pid = os.getpid()
+
+
+class _Fanout:
+    """A client for get_path.read_rows whose units answer with plain values; ``stray`` has
+    a unit leave a reply file of the get behind and re-register at a new address (it died
+    after writing it and was asked again)."""
+
+    def __init__(self, inbox, stray: bool):
+        self.inbox, self.stray = inbox, stray
+        self.num_units, self.unit_generation, self.counted = 2, 0, []
+
+    def reply_inbox(self):
+        return self.inbox
+
+    def unit(self, u):
+        return types.SimpleNamespace(bytes_received=0, header_bytes_received=0)
+
+    def count(self, *args):
+        self.counted.append(args)
+
+    def fan_out(self, op, per_unit):
+        hint = next(iter(per_unit.values()))["shm"]
+        if self.stray:
+            with open(os.path.join(self.inbox.dir, f"{hint['get']}-u0-dead"), "wb") as f:
+                f.write(b"rows of the unit that died")
+            self.unit_generation += 1
+        return {u: {"columns": [{"v": list(body["indexes"])}]} for u, body in per_unit.items()}
+
+
+@pytest.mark.parametrize("stray", [False, True])
+def test_a_get_removes_a_file_left_by_a_unit_asked_again(inbox, stray):
+    from tqtx.client import get_path
+    client = _Fanout(inbox, stray)
+    meta = {"fields": ["x"], "indexes": [0, 1, 2, 3], "gens": [1, 1, 1, 1], "schemas": {}}
+    keys, columns, _ = get_path.read_rows(client, meta, ["a", "b", "c", "d"], True, None)
+    assert list(columns["x"]) == [0, 1, 2, 3]
+    assert os.listdir(inbox.dir) == [shm.PROBE]

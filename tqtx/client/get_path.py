@@ -82,6 +82,7 @@ def read_rows(client, meta: dict, keys: list[str], direct: bool, alloc):
         if hint is not None:
             for req in per_unit.values():
                 req["shm"] = hint
+        moved = client.unit_generation
         try:
             replies = client.fan_out("GET_ROWS", per_unit)
         except BaseException:
@@ -103,10 +104,12 @@ def read_rows(client, meta: dict, keys: list[str], direct: bool, alloc):
     except (OSError, ValueError) as exc:
         for f in opened:
             f.close()
+        inbox.discard_get(hint["get"])  # the files not opened
         raise TqtxError(f"could not open a reply file of this get: {exc}") from exc
-    finally:
-        if hint is not None:  # e.g. the file of a unit asked again after it died
-            inbox.discard_get(hint["get"])
+    # A unit asked again at its new address (fan_out) may have left a file before it died;
+    # otherwise every file of the get was in a reply, and is unlinked by now.
+    if hint is not None and client.unit_generation != moved:
+        inbox.discard_get(hint["get"])
     opened = dict(zip(files, opened))
     for f, plan in zip(fields, plans):
         columns[f].plan = plan
