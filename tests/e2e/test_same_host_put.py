@@ -90,3 +90,19 @@ def test_rows_read_from_the_client_reach_the_row_log(tq_start, pid, monkeypatch,
     tq.close(keep_buffer=True)
     tq_start(2, state_dir=state, durability=durability, flush_interval_s=0.05)
     _check(tq.kv_batch_get(keys, pid), td, jag)
+
+
+@pytest.mark.parametrize("action", ["raise", "kill"])
+def test_a_put_a_unit_failed_after_reading_leaves_nothing(tq_start, pid, monkeypatch, action):
+    """A unit that fails (or dies) between reading a same-host put and storing it: the put
+    raises and leaves no key; put again (the unit raised once), it is stored exactly."""
+    monkeypatch.setattr(put_from, "MIN_BYTES", 0)
+    tq_start(2, env={"TQTX_FAULTS": f"unit.put.after_read@1:{action}"})
+    td, jag = _batch(40, 5)
+    keys = [f"k{i}" for i in range(40)]
+    with pytest.raises(Exception):
+        tq.kv_batch_put(keys, pid, td)
+    assert not tq.kv_list(pid).get(pid)
+    if action == "raise":
+        tq.kv_batch_put(keys, pid, td)
+        _check(tq.kv_batch_get(keys, pid), td, jag)

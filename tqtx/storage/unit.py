@@ -26,6 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from .. import faults
 from ..errors import StaleRowsError
 from ..format.rowlog import MARK_RESTORE
 from ..placement.probe import node_name, unit_probe
@@ -247,6 +248,7 @@ class StorageUnit:
             if not isinstance(body.get("cols"), dict):
                 raise ValueError("PUT_ROWS: 'from' without 'cols'")
             body["cols"].update(read)
+            faults.hit("unit.put.after_read")
         if items is None:
             items = rows_of_columns(body["idx"], body["cols"])
         if len(want) != len(items):
