@@ -234,19 +234,19 @@ class StorageUnit:
     def put_rows(self, body, req):
         """Store rows (``idx``: their indexes and ``cols``: field -> the rows' values, or
         ``rows``: ``[index, values]`` each; ``gens``: the generation of each; see
-        :meth:`store_row`; ``from``: tensor columns to read from a same-host client's
-        memory, see :meth:`shm.ReplyFiles.read_from`). Rows refused because the index holds a newer generation (the
-        put's key was cleared and the index given to another key since ALLOC) come back as
-        ``stale``."""
+        :meth:`store_row`). With ``from`` (``hint``, ``cols``), tensor columns are read
+        from a same-host client's memory first (:meth:`shm.ReplyFiles.read_from`). Rows
+        refused because the index holds a newer generation (the put's key was cleared and
+        the index given to another key since ALLOC) come back as ``stale``."""
         items, want = body.get("rows"), body["gens"]
-        if body.get("from") is not None:  # a same-host put: read its tensors' rows first
+        src = body.get("from")
+        if src is not None:
+            if not isinstance(src, dict) or not isinstance(body.get("cols"), dict):
+                raise ValueError("PUT_ROWS: 'from' must be a map, beside a map 'cols'")
             try:
-                read = self.reply_files.read_from(body["from"].get("hint"),
-                                                  body["from"].get("cols"))
+                read = self.reply_files.read_from(src.get("hint"), src.get("cols"))
             except OSError as exc:  # nothing stored: the client sends frames instead
                 return {"from_failed": f"unit {self.unit_id}: {exc}"}
-            if not isinstance(body.get("cols"), dict):
-                raise ValueError("PUT_ROWS: 'from' without 'cols'")
             body["cols"].update(read)
             faults.hit("unit.put.after_read")
         if items is None:
