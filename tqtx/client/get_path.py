@@ -82,7 +82,7 @@ def read_rows(client, meta: dict, keys: list[str], direct: bool, alloc):
         if hint is not None:
             for req in per_unit.values():
                 req["shm"] = hint
-        moved = client.unit_generation
+        generation = client.unit_generation
         try:
             replies = client.fan_out("GET_ROWS", per_unit)
         except BaseException:
@@ -108,7 +108,7 @@ def read_rows(client, meta: dict, keys: list[str], direct: bool, alloc):
         raise TqtxError(f"could not open a reply file of this get: {exc}") from exc
     # A unit asked again at its new address (fan_out) may have left a file before it died;
     # otherwise every file of the get was in a reply, and is unlinked by now.
-    if hint is not None and client.unit_generation != moved:
+    if hint is not None and client.unit_generation != generation:
         inbox.discard_get(hint["get"])
     opened = dict(zip(files, opened))
     for f, plan in zip(fields, plans):

@@ -13,7 +13,6 @@ stores nothing; its rows then go as frames, and later puts send it frames at onc
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 
@@ -26,19 +25,13 @@ log = logging.getLogger("tqtx.client")
 
 MIN_BYTES = shm.MIN_BYTES
 FEW_ROWS = 32
-_OFF = ("0", "off", "false", "no")
 
 
 def hint(client) -> dict | None:
     """The inbox hint a same-host put names, or None if this client's puts send frames."""
     if client.put_from_off is None and not client.put_from_checked:
         client.put_from_checked = True  # once per client: a put cannot afford a file read
-        if os.environ.get("TQTX_PUT_FROM", "on").lower() in _OFF:
-            client.put_from_off = "TQTX_PUT_FROM is off"
-        elif not vmcopy.available():
-            client.put_from_off = "no process_vm_readv on this platform"
-        elif vmcopy.ptrace_restricted():
-            client.put_from_off = "Yama's ptrace_scope keeps units from reading this process"
+        client.put_from_off = vmcopy.refusal("TQTX_PUT_FROM", "reading")
     if client.put_from_off is not None:
         return None
     inbox = client.reply_inbox()

@@ -10,7 +10,6 @@ rows to the planned offsets (``GET_INTO``); rows that came in a message are copi
 from __future__ import annotations
 
 import logging
-import os
 from math import prod
 
 import numpy as np
@@ -146,12 +145,7 @@ def into_usable(client) -> bool:
     (``TQTX_GET_INTO=off`` turns it off; so does a unit the kernel refused once)."""
     if client.into_off is None and not client.into_checked:
         client.into_checked = True  # once per client: a tiny get cannot afford a file read
-        if os.environ.get("TQTX_GET_INTO", "on").lower() in ("0", "off", "false", "no"):
-            client.into_off = "TQTX_GET_INTO is off"
-        elif not vmcopy.available():
-            client.into_off = "no process_vm_writev on this platform"
-        elif vmcopy.ptrace_restricted():
-            client.into_off = "Yama's ptrace_scope keeps units from writing into this process"
+        client.into_off = vmcopy.refusal("TQTX_GET_INTO", "writing into")
     return client.into_off is None
 
 

@@ -246,7 +246,7 @@ class StorageUnit:
             try:
                 read = self.reply_files.read_from(src.get("hint"), src.get("cols"))
             except OSError as exc:  # nothing stored: the client sends frames instead
-                return {"from_failed": f"unit {self.unit_id}: {exc}"}
+                return {"from_failed": str(exc)}  # the client names the unit
             body["cols"].update(read)
             faults.hit("unit.put.after_read")
         if items is None:

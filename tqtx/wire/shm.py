@@ -284,6 +284,15 @@ class ReplyFiles:
         self.files += 1
         return name
 
+    def _proven_client(self, hint: dict) -> int:
+        """The pid of the live process that made the inbox ``hint`` names, which this unit
+        proved (:meth:`usable`); OSError otherwise."""
+        owner = inbox_owner(hint)
+        if owner is None or not self.usable(hint) or not process_alive(*owner):
+            raise OSError(f"unit {self.unit_id}: no proven client process for inbox "
+                          f"{hint.get('dir')!r}")
+        return owner[0]
+
     def write_into(self, hint: dict, target, rows: list) -> None:
         """Copy ``rows`` (contiguous byte buffers) into the memory ``target``
         (``[address, size, offsets]``, offsets packed int64, one per row) names in the
@@ -298,10 +307,7 @@ class ReplyFiles:
             raise ValueError(f"malformed GET_INTO target {address!r}, {size!r}")
         if len(starts) != len(rows):
             raise ValueError(f"GET_INTO: {len(starts)} offsets for {len(rows)} rows")
-        owner = inbox_owner(hint)
-        if owner is None or not self.usable(hint) or not process_alive(*owner):
-            raise OSError(f"unit {self.unit_id}: no proven client process for inbox "
-                          f"{hint.get('dir')!r}")
+        pid = self._proven_client(hint)
         todo = []
         for at, buf in zip(starts, rows):
             n = len(buf)
@@ -310,7 +316,7 @@ class ReplyFiles:
                     raise ValueError(f"GET_INTO: a row of {n} bytes at {at} is outside the "
                                      f"{size}-byte result")
                 todo.append((at, buf))
-        vmcopy.write(owner[0], address, todo)
+        vmcopy.write(pid, address, todo)
         self.copies += 1
 
     def read_from(self, hint, columns) -> dict:
@@ -321,9 +327,7 @@ class ReplyFiles:
         not proven or the kernel refuses (nothing is kept), ValueError if malformed."""
         if not isinstance(hint, dict) or not isinstance(columns, dict):
             raise ValueError("PUT_ROWS: malformed 'from'")
-        owner = inbox_owner(hint)
-        if owner is None or not self.usable(hint) or not process_alive(*owner):
-            raise OSError(f"no proven client process for inbox {hint.get('dir')!r}")
+        pid = self._proven_client(hint)
         out, todo = {}, []
         for field, spec in columns.items():
             try:
@@ -348,6 +352,6 @@ class ReplyFiles:
                     todo.append((address, buf))
                 rows.append(new(dtype, tuple(shape), buf))
             out[field] = rows
-        vmcopy.read(owner[0], todo)
+        vmcopy.read(pid, todo)
         self.reads += 1
         return out

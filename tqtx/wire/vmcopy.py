@@ -60,6 +60,19 @@ def available() -> bool:
     return None not in (_WRITEV, _READV) and ctypes.sizeof(ctypes.c_void_p) == 8
 
 
+def refusal(env: str, units_may: str) -> str | None:
+    """Why units may not ``units_may`` (e.g. "write into") this process on this host, or
+    None: ``env`` (e.g. ``TQTX_GET_INTO``) set off, no ``process_vm_writev`` /
+    ``process_vm_readv`` here, or Yama restricting ptrace (:func:`ptrace_restricted`)."""
+    if os.environ.get(env, "on").lower() in ("0", "off", "false", "no"):
+        return f"{env} is off"
+    if not available():
+        return "no process_vm_writev / process_vm_readv on this platform"
+    if ptrace_restricted():
+        return f"Yama's ptrace_scope keeps units from {units_may} this process"
+    return None
+
+
 def ptrace_restricted() -> bool:
     """True if Yama limits ptrace to a process's descendants or further (``ptrace_scope``
     >= 1): units, which a client starts or finds, then may not write into it."""
