@@ -31,7 +31,7 @@ def hint(client) -> dict | None:
     """The inbox hint a same-host put names, or None if this client's puts send frames."""
     if client.put_from_off is None and not client.put_from_checked:
         client.put_from_checked = True  # once per client: a put cannot afford a file read
-        client.put_from_off = vmcopy.refusal("TQTX_PUT_FROM", "reading")
+        client.put_from_off = vmcopy.refusal("TQTX_PUT_FROM", "reading the memory of")
     if client.put_from_off is not None:
         return None
     inbox = client.reply_inbox()
