@@ -3,7 +3,8 @@ linearizability (see checker.py for the model and workload.py for the clients).
 
 Quick tier: ~10 s of 5 clients against 2 units. Slow tier: >= 2 minutes with unit and
 controller kills, and 120 s of whole-job kills with durability sync (without restores and
-with them). Each asserts no
+with them). In every tier the odd-numbered clients have the units read every put out of
+their memory (same-host puts); the others send frames. Each asserts no
 violation, no bare KeyError reaching a caller, and a minimum of successful ops of every kind
 (so none can pass without having tested anything).
 """
@@ -32,6 +33,7 @@ def _run_and_check(tmp_path, *, workers: int, seconds: float, min_ok: dict,
     try:
         result = workload.run(dep, tmp_path / "run", workers=workers, seconds=seconds,
                               seed=seed, **kwargs)
+        put_reads = workload.put_reads(dep) if "nemesis" not in kwargs else None
     finally:
         dep.stop()
     verdict = check(result.history)
@@ -54,6 +56,8 @@ def _run_and_check(tmp_path, *, workers: int, seconds: float, min_ok: dict,
            if result.counts.get(k, {}).get("ok", 0) < n}
     if few:
         problems.append(f"too few successful ops (got {few}, want {min_ok})")
+    if put_reads == 0:  # (units killed by a nemesis start their counts again)
+        problems.append("no put was read out of a client's memory (same-host puts)")
     assert not problems, "\n".join(problems) + "\n\n" + report
     return result
 

@@ -59,6 +59,16 @@ def start_deployment(state_dir: str, num_units: int = 2, durability: str | None 
                            env=env)
 
 
+def put_reads(dep) -> int:
+    """How many puts the deployment's units read out of a client's memory (unit stats)."""
+    from tqtx.client import Client
+    client = Client(dep.address, timeout=30)
+    try:
+        return sum(u["put_reads"] for u in client.stats()["units"])
+    finally:
+        client.close()
+
+
 def run(dep, workdir: Path, *, workers: int, seconds: float, seed: int, nemesis=None,
         unblock: bool = False, timeout: float = 30.0, weights: dict | None = None) -> RunResult:
     """Run ``workers`` clients for ``seconds`` against ``dep``; ``nemesis(dep, end)``, if
