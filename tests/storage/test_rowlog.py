@@ -565,7 +565,7 @@ def test_drops_after_a_replay_let_a_mostly_dead_file_buffer_go(tmp_path):
         _drop(again, list(range(8)), [1] * 8)
         assert {i: type(again.rows[i]["a"].data) for i in (8, 9)} == {8: bytes, 9: bytes}
         assert {i: bytes(again.rows[i]["a"].data) for i in (8, 9)} == want
-        assert again._views_checked_at is None   # nothing shared any more: no more passes
+        assert again.views.checked_at is None   # nothing shared any more: no more passes
     finally:
         _close(again)
 

@@ -17,13 +17,13 @@ from .index import (FORMAT_VERSION, MANIFEST, ROW_INDEX, SHARDS_DIR, DumpIndex,
                     write_shard_index)
 from .records import PREFIX_SIZE, RECORD_MAGIC, checksum, decode_record, encode_record
 from .shard import (ShardWriter, read_records, shard_dump_dir, shard_file_name,
-                    shard_index_name)
+                    shard_index_name, shares_regions)
 from .verify import inspect_dump, verify_dump
 
 __all__ = [
     "FORMAT_VERSION", "MANIFEST", "PREFIX_SIZE", "RECORD_MAGIC", "ROW_INDEX", "SHARDS_DIR",
     "DumpIndex", "ShardWriter", "checksum", "decode_record", "encode_record", "inspect_dump",
     "read_dump_index", "read_records", "read_row_index", "shard_dump_dir", "shard_file_name",
-    "shard_index_name",
+    "shard_index_name", "shares_regions",
     "verify_dump", "write_manifest", "write_row_index", "write_shard_index",
 ]

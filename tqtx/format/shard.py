@@ -156,12 +156,17 @@ class ShardWriter:
         return False
 
 
-def read_entry(fd: int, entry, verify: bool, label: str, expect=None) -> tuple[int, dict]:
+def read_entry(fd: int, entry, verify: bool, label: str, expect=None,
+               into: memoryview | None = None) -> tuple[int, dict]:
     """Read and decode the record ``entry`` ([gidx, offset, length, crc32]) of open shard
-    ``fd``, checking its crc32 if ``verify`` and the row it names against ``expect`` (see
+    ``fd`` (``into``: a fresh view of its length to read it into, else memory of its own),
+    checking its crc32 if ``verify`` and the row it names against ``expect`` (see
     :func:`decode_record`); errors name ``label`` and the record."""
     gidx, offset, length, crc = entry
-    data = fsutil.pread_fresh(fd, length, offset)
+    if into is None:
+        data = fsutil.pread_fresh(fd, length, offset)
+    else:
+        data = into[:fsutil.pread_into(fd, into, offset)]
     if len(data) != length:
         raise DumpFormatError(f"{label}: record for global index {gidx} (offset {offset}, "
                               f"length {length}): truncated shard: read {len(data)} bytes")
@@ -184,7 +189,7 @@ def read_records(path, entries, *, batch: int = 128, verify: bool = True,
     """Read ``entries`` ([gidx, offset, length, crc32]) from a shard, ``batch`` at a time.
 
     Yields lists of ``(global_index, row)`` with at most ``batch`` rows, each record read
-    (by offset order within its batch) into its own bytes object; checks crc32 if
+    by offset order within its batch (see :func:`_places` for where); checks crc32 if
     ``verify``, and with ``expect`` (``{global_index: (partition_id or None, key,
     generation or None)}``, every entry's) that each record names that row. Errors raise
     DumpFormatError naming the file and the global index.
@@ -199,9 +204,42 @@ def read_records(path, entries, *, batch: int = 128, verify: bool = True,
     try:
         for start in range(0, len(entries), batch):
             chunk = sorted(entries[start:start + batch], key=by_offset)
+            places = _places(chunk)
             if expect is None:
-                yield [read_entry(fd, e, verify, label) for e in chunk]
+                yield [read_entry(fd, e, verify, label, None, into)
+                       for e, into in zip(chunk, places)]
             else:
-                yield [read_entry(fd, e, verify, label, expect[e[0]]) for e in chunk]
+                yield [read_entry(fd, e, verify, label, expect[e[0]], into)
+                       for e, into in zip(chunk, places)]
     finally:
         os.close(fd)
+
+
+def _region_sizes(chunk: list) -> list[int]:
+    # a record's header is at most a few hundred bytes: its row's values fill over 99% of
+    # a record of FRESH_MIN bytes
+    return [e[2] if e[2] >= fsutil.FRESH_MIN else 0 for e in chunk]
+
+
+def shares_regions(entries: list, batch: int) -> bool:
+    """Whether :func:`read_records` of ``entries`` in batches of ``batch`` reads some rows
+    into a region they share (their owner then watches it, see
+    :class:`tqtx.storage.rows.SharedViews`)."""
+    return any(sum(_region_sizes(entries[start:start + batch])) >= fsutil.REGION_MIN
+               for start in range(0, len(entries), batch))
+
+
+def _places(chunk: list) -> list:
+    """Where each record of ``chunk`` is read: the records of at least FRESH_MIN bytes,
+    when they add up to fsutil.REGION_MIN, into slices of one fresh region
+    (:func:`fsutil.fresh_region`); the others (None) into memory of their own."""
+    sizes = _region_sizes(chunk)
+    total = sum(sizes)
+    if total < fsutil.REGION_MIN:
+        return [None] * len(chunk)
+    region = fsutil.fresh_region(total)
+    places, pos = [], 0
+    for n in sizes:
+        places.append(region[pos:pos + n] if n else None)
+        pos += n
+    return places

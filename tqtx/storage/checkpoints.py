@@ -131,7 +131,7 @@ class StagedLoad:
     load_id: str
     rows: dict[int, dict] = field(default_factory=dict)
     nbytes: int = 0
-    shared: bool = False  # some rows are views of a buffer they share (row log files)
+    shared: bool = False  # some rows are views of a buffer they share (regions, log files)
     state: str = st.READING
     staged_at: float = 0.0  # time.monotonic() when staged
 
@@ -320,6 +320,7 @@ def _read(request: LoadRequest, load: StagedLoad) -> None:
         for idx, row in batch:
             load.rows[idx] = row
             load.nbytes += row_nbytes(row)
+    load.shared = fmt.shares_regions(request.entries, BATCH)
 
 
 def _read_log(request: LoadRequest, load: StagedLoad) -> None:

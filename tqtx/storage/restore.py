@@ -78,6 +78,7 @@ class ReadPlan:
 
     def __init__(self, items, *, check_key: bool):
         self.by_shard: dict[str, list] = {}
+        self.shared = False  # some rows read share a region (set by read)
         self.expect: dict[str, dict] = {}
         self.targets: dict[tuple[str, int], list] = {}
         for it in items:
@@ -100,6 +101,7 @@ class ReadPlan:
         nbytes = 0
         targets = self.targets
         for path, entries in self.by_shard.items():
+            self.shared = self.shared or fmt.shares_regions(entries, BATCH)
             for batch in fmt.read_records(path, entries, batch=BATCH,
                                           expect=self.expect.get(path)):
                 for src, row in batch:
@@ -138,13 +140,15 @@ class RestoreWorker:
     """The restore handlers of :class:`~tqtx.storage.unit.StorageUnit` ``unit``.
 
     ``staging``: restore ID -> its staged rows ``{dest: (generation, row)}``, invisible
-    until applied; ``dropped``: restores abandoned here (a load still reading stops);
-    ``redoing``: the deferred replies of a roll-forward still reading, by restore ID.
-    ``lock`` guards those three against the I/O threads."""
+    until applied; ``sharing``: the staged restores whose rows share read regions (see
+    :class:`~tqtx.storage.rows.SharedViews`); ``dropped``: restores abandoned here (a load
+    still reading stops); ``redoing``: the deferred replies of a roll-forward still
+    reading, by restore ID. ``lock`` guards those against the I/O threads."""
 
     def __init__(self, unit):
         self.unit = unit
         self.staging: dict[str, dict[int, tuple[int, dict]]] = {}
+        self.sharing: set[str] = set()
         self.applied = AppliedRestores()
         self.dropped: set[str] = set()
         self.redoing: dict[str, list] = {}
@@ -158,6 +162,7 @@ class RestoreWorker:
         """A checkpoint load replaced every row: no staged restore applies any more."""
         with self.lock:
             self.staging.clear()
+            self.sharing.clear()
 
     # ---------------------------------------------------------------- 1. load and stage
     def load_rows(self, body, req):
@@ -204,6 +209,8 @@ class RestoreWorker:
                     raise RuntimeError(f"restore {rid} was abandoned while unit {uid} was "
                                        f"loading")
                 self.staging[rid] = staged
+                if reads.shared:
+                    self.sharing.add(rid)
             faults.hit("unit.load.after_stage")
             try:
                 Report(peer, {"restore_id": rid, "unit_id": uid, "action": st.STAGED,
@@ -211,6 +218,7 @@ class RestoreWorker:
             except BaseException:
                 with self.lock:
                     self.staging.pop(rid, None)
+                    self.sharing.discard(rid)
                 raise
             seconds = time.perf_counter() - t0
             log.info("restore %s: unit %d staged %d rows (%d bytes) in %.3fs", rid, uid,
@@ -255,6 +263,8 @@ class RestoreWorker:
             return done
         with self.lock:
             staged = self.staging.pop(rid, None)
+            shared = rid in self.sharing
+            self.sharing.discard(rid)
         if staged is None:
             # Neither staged nor applied here: this unit restarted after staging.
             log.error("restore %s: unit %d has no staged rows to apply", rid, unit.unit_id)
@@ -269,6 +279,8 @@ class RestoreWorker:
             # new indexes are reserved), so this is a bug: never write over it.
             log.error("restore %s: unit %d did not apply %d rows: their indexes hold newer "
                       "keys (%s)", rid, unit.unit_id, len(skipped), skipped[:10])
+        if shared:
+            unit.views.watch(unit.bytes_held)
         if unit.attach.write_watch:
             unit.attach.note_writes(staged)
         self.applied.record(rid, len(staged))
@@ -284,6 +296,7 @@ class RestoreWorker:
         with self.lock:
             self.dropped.add(rid)
             staged = self.staging.pop(rid, None)
+            self.sharing.discard(rid)
         log.info("restore %s: unit %d dropped %s staged rows", rid, self.unit.unit_id,
                  0 if staged is None else len(staged))
         return {"dropped": 0 if staged is None else len(staged)}
@@ -356,12 +369,14 @@ class RestoreWorker:
             items.append(LoadItem(redo.dest, redo.gen, str(path), offset, length, crc,
                                   redo.src, key_of[redo.src], index.gens.get(redo.src)))
         staged: dict[int, tuple[int, dict]] = {}
-        nbytes = ReadPlan(items, check_key=index.version >= 2).read(
-            body["field_schema"], staged, _nothing)
+        reads = ReadPlan(items, check_key=index.version >= 2)
+        nbytes = reads.read(body["field_schema"], staged, _nothing)
         faults.hit("unit.redo.after_read")
         with self.lock:
             if rid not in self.applied:
                 self.staging[rid] = staged
+                if reads.shared:
+                    self.sharing.add(rid)
         return {"rows": len(staged), "bytes": nbytes, "redone": True}
 
 

@@ -66,9 +66,45 @@ def own_sparse_views(rows: dict[int, dict],
     copied = kept = 0
     for size, live, places in buffers.values():
         if live >= min_share * size:
-            kept += 1
+            if len(places) > 1 or live < size:  # a value that is its whole buffer is no share
+                kept += 1
             continue
         for row, field in places:
             row[field] = row[field].compact()
         copied += live
     return copied, kept
+
+
+class SharedViews:
+    """A unit's watch over its rows while some are views of a buffer they share (a batch's
+    read region, a replayed row log file): once the values dropped or replaced since the
+    last look add up to a tenth of the bytes held then, look again (:func:`own_sparse_views`),
+    so a buffer that drops left mostly dead goes. ``checked_at``: the bytes held at the
+    last look, None while no buffer is shared."""
+
+    def __init__(self, rows):
+        self._rows = rows  # () -> the unit's rows dict (a checkpoint switch replaces it)
+        self.checked_at: int | None = None
+        self.freed = 0
+
+    def watch(self, held: int) -> None:
+        """Rows now share buffers: start watching (if not already)."""
+        if self.checked_at is None:
+            self.checked_at, self.freed = max(held, 1), 0
+
+    def look(self, held: int) -> int:
+        """Copy live values out of mostly dead buffers now; the bytes copied."""
+        copied, shared = own_sparse_views(self._rows())
+        self.checked_at, self.freed = (held if shared else None), 0
+        return copied
+
+    def went(self, nbytes: int, held: int) -> None:
+        """``nbytes`` of values were dropped or replaced; ``held``: the bytes held now."""
+        if self.checked_at is not None and nbytes:
+            self.freed += nbytes
+            if self.freed >= 0.1 * self.checked_at:
+                self.look(held)
+
+    def stop(self) -> None:
+        """No row is left."""
+        self.checked_at = None

@@ -42,7 +42,7 @@ from .restore import RestoreWorker
 from ..wire.columns import rows_of_columns
 from .replies import into_reply, reply_columns
 from .rowlog import RowLog
-from .rows import drop_from, own_sparse_views, store_into
+from .rows import SharedViews, drop_from, store_into
 
 log = logging.getLogger("tqtx.unit")
 
@@ -112,7 +112,7 @@ class StorageUnit:
         self.dumps = UnitDumps(self)
         # durability buffer / sync: the rows are also in a log in log_dir, replayed here
         self.rowlog: RowLog | None = None
-        self._views_checked_at: int | None = None  # see _open_log
+        self.views = SharedViews(lambda: self.rows)
         self.remove_log = False  # set by a SHUTDOWN without keep_buffer
         self.replayed: dict | None = None
         if log_dir is not None:
@@ -126,11 +126,9 @@ class StorageUnit:
                         rows=lambda: (self.rows, self.gens), remembers=self._remembers)
         self.replayed = rowlog.replay(self.store_row, self._drop_row, self._reset_rows,
                                       self._replay_mark)
-        copied, shared = own_sparse_views(self.rows)
-        self.replayed["copied_bytes"] = copied
-        # while replayed rows share their files' buffers, drops can leave a buffer mostly
-        # dead: look again each time a tenth of the bytes went (see drop_rows)
-        self._views_checked_at = self.bytes_held if shared else None
+        # replayed rows share their files' buffers, which drops can leave mostly dead
+        self.views.watch(self.bytes_held)
+        self.replayed["copied_bytes"] = self.views.look(self.bytes_held)
         self.replayed["dir"] = log_dir
         if not (self.replayed["entries"] or self.replayed["torn"]):
             self.replayed = None  # a new log: nothing to report
@@ -229,6 +227,7 @@ class StorageUnit:
             self.rowlog.row(idx, gen, values)
         nbytes, freed = stored
         self.bytes_held += nbytes - freed
+        self.views.went(freed, self.bytes_held)
         return nbytes
 
     def put_rows(self, body, req):
@@ -331,20 +330,20 @@ class StorageUnit:
             self.rowlog.drop([i for i, _ in logged], [g for _, g in logged])
         if n and not self.rows:
             self._emptied()
-        elif self._views_checked_at is not None and \
-                self.bytes_held < 0.9 * self._views_checked_at:
-            shared = own_sparse_views(self.rows)[1]
-            self._views_checked_at = self.bytes_held if shared else None
+        else:
+            self.views.went(freed, self.bytes_held)
         return {"dropped": n}
 
     def replace_rows(self, rows: dict[int, dict], gens: dict[int, int], nbytes: int, *,
                      shared: bool = False) -> None:
         """Make ``rows`` (of generations ``gens``, ``nbytes`` value bytes) the unit's rows
         (a checkpoint switch); the row log records the reset and every new row. ``shared``:
-        some rows are views of buffers they share (a checkpoint's row log files), watched
-        as drops go (see drop_rows)."""
+        some rows are views of buffers they share (read regions, a checkpoint's row log
+        files), watched as drops go (:class:`SharedViews`)."""
         self.rows, self.gens, self.bytes_held = rows, gens, nbytes
-        self._views_checked_at = nbytes if shared else None
+        self.views.stop()
+        if shared:
+            self.views.watch(nbytes)
         rowlog = self.rowlog
         if rowlog is not None:
             rowlog.reset()
@@ -380,7 +379,7 @@ class StorageUnit:
         table at its largest size; clear() frees it (the same dict: others hold it)."""
         self.rows.clear()
         self.gens.clear()
-        self._views_checked_at = None
+        self.views.stop()
         forget_shapes()
 
     def stats(self, body, req):
