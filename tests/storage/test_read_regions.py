@@ -9,7 +9,6 @@ import pytest
 
 from tqtx import format as fmt
 from tqtx.errors import DumpFormatError
-from tqtx.layout import fsutil
 from tqtx.storage.unit import StorageUnit
 from tqtx.wire.values import RawTensor
 
@@ -124,9 +123,3 @@ def test_a_region_the_live_rows_still_fill_stays_shared(unit, tmp_path):
     assert unit.views.checked_at == unit.bytes_held
 
 
-def test_fresh_region_is_writable_fresh_memory_of_the_size_asked():
-    view = fsutil.fresh_region(fsutil.REGION_MIN + 5)
-    assert view.nbytes == fsutil.REGION_MIN + 5 and not view.readonly
-    assert bytes(view[:16]) == bytes(16)
-    view[-3:] = b"abc"
-    assert bytes(view[-3:]) == b"abc"

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from ..layout import fsutil
+from ..layout import fsutil, pages
 from . import result_layout
 from .nested import jagged
 from ..arguments.kinds import check_utf8
@@ -327,6 +327,8 @@ def result_buffer(nbytes: int):
     """A fresh, untouched byte tensor for units to copy a get's rows into (see
     :meth:`tqtx.client.result_layout.ColumnPlan.open`): (tensor, address, numpy view)."""
     t = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= pages.RESULT_MIN:  # before the first touch: huge pages fault in cheaper
+        pages.advise_huge(t.data_ptr(), nbytes)
     return t, t.data_ptr(), t.numpy()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from tqtx import faults
-from tqtx.layout import fsutil
+from tqtx.layout import fsutil, pages
 from tqtx.layout.paths import (SHARDS_DIR, shard_file_name,  # noqa: F401 (re-exported)
                                shard_index_name)
 from tqtx.errors import DumpFormatError
@@ -225,19 +225,19 @@ def shares_regions(entries: list, batch: int) -> bool:
     """Whether :func:`read_records` of ``entries`` in batches of ``batch`` reads some rows
     into a region they share (their owner then watches it, see
     :class:`tqtx.storage.rows.SharedViews`)."""
-    return any(sum(_region_sizes(entries[start:start + batch])) >= fsutil.REGION_MIN
+    return any(sum(_region_sizes(entries[start:start + batch])) >= pages.REGION_MIN
                for start in range(0, len(entries), batch))
 
 
 def _places(chunk: list) -> list:
     """Where each record of ``chunk`` is read: the records of at least FRESH_MIN bytes,
-    when they add up to fsutil.REGION_MIN, into slices of one fresh region
-    (:func:`fsutil.fresh_region`); the others (None) into memory of their own."""
+    when they add up to pages.REGION_MIN, into slices of one fresh region
+    (:func:`pages.fresh_region`); the others (None) into memory of their own."""
     sizes = _region_sizes(chunk)
     total = sum(sizes)
-    if total < fsutil.REGION_MIN:
+    if total < pages.REGION_MIN:
         return [None] * len(chunk)
-    region = fsutil.fresh_region(total)
+    region = pages.fresh_region(total)
     places, pos = [], 0
     for n in sizes:
         places.append(region[pos:pos + n] if n else None)

@@ -190,30 +190,6 @@ def fresh_buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
 
-# A batch of reads of at least FRESH_MIN bytes each goes into one shared region (see
-# fresh_region) once they add up to REGION_MIN. (Shorter reads go into memory the
-# allocator reuses: warm pages, which a region of new ones only slowed down.)
-REGION_MIN = 2 << 20
-_HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
-
-
-def fresh_region(size: int) -> memoryview:
-    """``size`` bytes of fresh memory for a batch of reads to fill, one slice each: an
-    anonymous mapping the kernel may back with 2 MiB pages (``MADV_HUGEPAGE``; ignored
-    where transparent huge pages are off). A 2 MiB page is made in one fault where 4 KiB
-    pages take 512, which halved the time to read 64 MiB from tmpfs into fresh memory on
-    the reference machine. The slices share the mapping: it goes back to the OS when the
-    last view of it goes (a unit copies live rows out of a mostly dead one, see
-    :func:`tqtx.storage.rows.own_sparse_views`)."""
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if _HUGE_PAGES is not None:
-        try:
-            region.madvise(_HUGE_PAGES)
-        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
-            pass
-    return memoryview(region)
-
-
 def pread_fresh(fd: int, length: int, offset: int):
     """:func:`pread_exact` into memory of its own that the caller keeps (a record a unit
     stores): at least :data:`FRESH_MIN` bytes go into a :func:`fresh_buffer` (a view of

@@ -1,0 +1,71 @@
+"""Huge pages for large fresh memory: a unit's read regions and a client's get results.
+
+Fresh anonymous memory costs a page fault and a zeroing per page on first touch. With 2 MiB
+pages (transparent huge pages, asked for with ``MADV_HUGEPAGE``) one fault makes what 512
+faults of 4 KiB pages make: on the reference machine, reading 64 MiB from tmpfs into fresh
+memory took 17.5 ms that way against 34.5 ms with 4 KiB pages (16 ms into a reused
+buffer), and a unit's ``process_vm_writev`` into a client's result ran 1.25-1.5x faster.
+
+The kernel ignores the advice where transparent huge pages are off
+(``/sys/kernel/mm/transparent_hugepage/enabled`` = ``never``); ``TQTX_HUGE_PAGES=off``
+turns it off for tqtx alone (read in each process: the units take it from the environment
+they start with). Torch-free, stdlib only.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+HUGE_PAGE = 2 << 20
+# A batch of reads of at least fsutil.FRESH_MIN bytes each goes into one shared region
+# once they add up to this (see fresh_region); a get's result buffer of at least
+# RESULT_MIN bytes is advised (see advise_huge), which holds at least one whole huge page.
+REGION_MIN = HUGE_PAGE
+RESULT_MIN = 2 * HUGE_PAGE
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+def _madvise():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_libc_madvise = _madvise()
+
+
+def wanted() -> bool:
+    """Whether tqtx asks for huge pages (``TQTX_HUGE_PAGES`` is not ``off``)."""
+    return os.environ.get("TQTX_HUGE_PAGES", "").strip().lower() not in ("off", "0", "no")
+
+
+def fresh_region(size: int) -> memoryview:
+    """``size`` bytes of fresh memory for a batch of reads to fill, one slice each: one
+    anonymous mapping the kernel may back with huge pages. The slices share it: it goes back
+    to the OS when the last view of it goes (a unit copies live rows out of a mostly dead
+    one, see :class:`tqtx.storage.rows.SharedViews`)."""
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if wanted() and hasattr(region, "madvise"):
+        try:
+            region.madvise(_MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
+            pass
+    return memoryview(region)
+
+
+def advise_huge(address: int, nbytes: int) -> bool:
+    """Ask for huge pages under the whole 2 MiB pages of ``nbytes`` of not yet touched
+    memory at ``address`` (another allocator's, e.g. torch's: only the pages' kind changes,
+    never their owner or contents). Whether the kernel took the advice."""
+    start = (address + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    end = (address + nbytes) & ~(HUGE_PAGE - 1)
+    if end <= start or _libc_madvise is None or not wanted():
+        return False
+    return _libc_madvise(start, end - start, _MADV_HUGEPAGE) == 0
