@@ -24,10 +24,12 @@ HUGE_PAGE = 2 << 20
 # RESULT_MIN bytes is advised (see advise_huge), which holds at least one whole huge page.
 REGION_MIN = HUGE_PAGE
 RESULT_MIN = 2 * HUGE_PAGE
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
 def _madvise():
+    if _MADV_HUGEPAGE is None:
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.madvise
@@ -52,7 +54,7 @@ def fresh_region(size: int) -> memoryview:
     to the OS when the last view of it goes (a unit copies live rows out of a mostly dead
     one, see :class:`tqtx.storage.rows.SharedViews`)."""
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if wanted() and hasattr(region, "madvise"):
+    if _MADV_HUGEPAGE is not None and wanted():
         try:
             region.madvise(_MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: 4 KiB pages
