@@ -23,9 +23,11 @@ from array import array
 from bisect import bisect_left
 from typing import Callable
 
+from .layout.switches import switched_off
+
 log = logging.getLogger("tqtx.metrics")
 
-ENABLED = os.environ.get("TQTX_METRICS", "1").strip().lower() not in ("0", "false", "no", "off")
+ENABLED = not switched_off("TQTX_METRICS")
 
 # Upper bounds (milliseconds) of the latency buckets; a last, open bucket catches the rest.
 BUCKETS_MS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0,

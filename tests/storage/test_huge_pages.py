@@ -54,7 +54,7 @@ def test_a_large_result_buffer_is_advised_huge_and_a_small_one_is_not(monkeypatc
     assert not pages.advise_huge(address, pages.HUGE_PAGE - 1)  # holds no whole huge page
 
 
-@pytest.mark.parametrize("value", ["off", "0"])
+@pytest.mark.parametrize("value", ["off", "0", "false", "no", " OFF "])
 def test_tqtx_huge_pages_off_asks_for_none(monkeypatch, value):
     monkeypatch.setenv("TQTX_HUGE_PAGES", value)
     view = pages.fresh_region(pages.REGION_MIN * 2)

@@ -15,7 +15,6 @@ zero-filled, when reused: a put after a trim pays that first touch, as in a fres
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Callable
 
 import zmq
 
+from ..layout import libc
 from ..wire.codec import ZMQ_RECV_BATCH
 from ..wire.values import DTYPE_NAMES, RawTensor, shared_shape
 
@@ -46,15 +46,10 @@ class _Mallinfo2(ctypes.Structure):
 
 
 def _libc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        libc.malloc_trim.restype = ctypes.c_int
-        libc.mallinfo2.argtypes = []
-        libc.mallinfo2.restype = _Mallinfo2
-        return libc
-    except (OSError, AttributeError):  # not glibc, or glibc < 2.33 (no mallinfo2)
-        return None
+    # not glibc, or glibc < 2.33 (no mallinfo2): None
+    trim = libc.function("malloc_trim", ctypes.c_int, [ctypes.c_size_t])
+    info = libc.function("mallinfo2", _Mallinfo2, [])
+    return None if trim is None or info is None else libc.load()
 
 
 _LIBC = _libc()

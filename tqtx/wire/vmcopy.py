@@ -12,11 +12,12 @@ refuse: :func:`write` and :func:`read` then raise ``PermissionError``).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from array import array
 
 from ..layout.fsutil import IOV_MAX
+from ..layout import libc
+from ..layout.switches import switched_off
 
 
 class _PyBuffer(ctypes.Structure):
@@ -28,16 +29,9 @@ class _PyBuffer(ctypes.Structure):
                 ("internal", ctypes.c_void_p)]
 
 
-def _load_libc(name: str):
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = getattr(libc, name)
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
-                   ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    return fn
+def _copy_call(name: str):
+    return libc.function(name, ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                                                 ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong])
 
 
 # One array type for every call: ctypes caches a new type per length asked for, and a unit
@@ -45,8 +39,8 @@ def _load_libc(name: str):
 # (docs/performance.md, *Unit memory*).
 _Views = _PyBuffer * IOV_MAX
 
-_WRITEV = _load_libc("process_vm_writev")
-_READV = _load_libc("process_vm_readv")
+_WRITEV = _copy_call("process_vm_writev")
+_READV = _copy_call("process_vm_readv")
 _PyBUF_SIMPLE, _PyBUF_WRITABLE = 0, 1
 _get_buffer = ctypes.pythonapi.PyObject_GetBuffer
 _get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
@@ -64,7 +58,7 @@ def refusal(env: str, units_may: str) -> str | None:
     """Why units may not ``units_may`` (e.g. "write into") this process on this host, or
     None: ``env`` (e.g. ``TQTX_GET_INTO``) set off, no ``process_vm_writev`` /
     ``process_vm_readv`` here, or Yama restricting ptrace (:func:`ptrace_restricted`)."""
-    if os.environ.get(env, "on").lower() in ("0", "off", "false", "no"):
+    if switched_off(env):
         return f"{env} is off"
     if not available():
         return "no process_vm_writev / process_vm_readv on this platform"
