@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import time
 STATUSES = ("pending", "running", "finished")
@@ -327,14 +328,24 @@ def wait_gone(pids, timeout: float = 10.0) -> list[int]:
     return left
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (a bind to port 0, an outgoing
+    connection's local port)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_run(n: int) -> int:
-    """A base port with ``n`` consecutive free ports on 127.0.0.1."""
+    """A base port with ``n`` consecutive free ports on 127.0.0.1, below the kernel's
+    ephemeral range: the deployment's own sockets (and every outgoing connection) take
+    ephemeral ports, and one of them could take a port of the run before the process it
+    is meant for binds it."""
+    top = _ephemeral_low() - n
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+        base = random.randrange(10000, top)
         socks = []
         try:
             for p in range(base, base + n):
