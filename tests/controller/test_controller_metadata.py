@@ -39,7 +39,7 @@ def _put(meta: Metadata, pid: str, keys: list[str], fields: list[str], tags=None
     for f in fields:
         part.schema.setdefault(f, {"kind": "tensor"})
     change, updates, common = meta.plan_commit(pid, keys, fields, tags)
-    meta.apply_commit(pid, updates)
+    meta.apply_commit(pid, updates, change)
     return change, common
 
 
@@ -186,3 +186,56 @@ def test_tags_with_container_values_are_kept_per_key():
     part = meta.partitions["p"]
     assert part.tags["a"] == part.tags["b"] == {"v": [1, 2]}
     assert part.tags["a"] is not part.tags["b"]
+
+
+def test_a_commit_journals_only_the_schemas_and_next_index_that_changed():
+    """Every COMMIT_PUT wrote each field's schema and next_index again; now only those
+    that differ from what the journal holds (schema dicts are replaced when they change)."""
+    from tqtx.schema import merge_schema
+    meta = Metadata()
+    part = meta.partition("p", create=True)
+    part.schema["a"] = {"kind": "tensor", "dtype": "float32", "shape": [4], "ndim": 1}
+    part.schema["b"] = {"kind": "object"}
+    # both keys' indexes allocated before the first commit, as a client's lease has them
+    part.pending.update(zip(["k0", "k1"], meta.allocate_rows(2)[0]))
+    first, _ = _put(meta, "p", ["k0"], ["a", "b"])
+    assert [f for _, f, _ in first.schemas] == ["a", "b"]
+    assert first.next_index == meta.next_index
+    again, _ = _put(meta, "p", ["k1"], ["a", "b"])
+    assert again.schemas == [] and again.next_index is None and len(again.rows) == 1
+    # a row of another shape makes the field jagged: a new schema object, written once
+    part.schema["a"] = merge_schema(part.schema["a"], {"kind": "tensor", "dtype": "float32",
+                                                       "shape": [7], "ndim": 1})
+    widened, _ = _put(meta, "p", ["k2"], ["a", "b"])
+    assert widened.schemas == [("p", "a", part.schema["a"])]
+    assert _put(meta, "p", ["k3"], ["a"])[0].schemas == []
+    # an index allocated since the last journaled change is written with the next commit
+    meta.allocate_rows(3)
+    assert _put(meta, "p", ["k4"], ["a"])[0].next_index == meta.next_index
+    # a change planned but never journaled (its write failed) is written by the next one
+    part.schema["c"] = {"kind": "object"}
+    part.pending["k5"] = meta.allocate_rows(1)[0][0]
+    lost_change, _, _ = meta.plan_commit("p", ["k5"], ["c"], None)
+    assert [f for _, f, _ in lost_change.schemas] == ["c"]
+    retried, _ = _put(meta, "p", ["k5"], ["c"])
+    assert [f for _, f, _ in retried.schemas] == ["c"] and retried.next_index == meta.next_index
+
+
+def test_replaced_metadata_counts_as_journaled():
+    """After a replace (a checkpoint load writes every schema with it; a restart reads them
+    from the journal) a commit writes no schema the replace held; a partition created
+    afresh (after a clear dropped it) writes them all again."""
+    meta = Metadata()
+    schema = {"a": {"kind": "tensor", "dtype": "int64", "shape": None, "jagged": True,
+                    "ndim": 1}}
+    meta.replace({"next_index": 4, "partitions": {"p": {"schema": schema,
+                                                        "rows": [["k0", 0, ["a"], {}]]}}})
+    change, _ = _put(meta, "p", ["k9"], ["a"])
+    assert change.schemas == []
+    part = meta.partition("p")
+    gone = list(part.keys)
+    meta.apply_clear(part, meta.plan_clear(part, gone)[1])
+    assert meta.partition("p") is None
+    new = meta.partition("p", create=True)
+    new.schema["a"] = schema["a"]
+    assert [f for _, f, _ in _put(meta, "p", ["k1"], ["a"])[0].schemas] == ["a"]

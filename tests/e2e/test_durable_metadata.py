@@ -582,7 +582,7 @@ def test_journal_at_c0002_with_an_unfinished_restore_migrates_and_serves(tq_star
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     finally:
         con.close()
-    assert rev == "c0007" and "meta_keys" in tables
+    assert rev == "c0008" and "meta_keys" in tables
     (rec,) = [r for r in _journal_show(state)["restores"] if r["restore_id"] == "r1"]
     assert rec["state"] in ("aborted", "failed"), rec
     keys = [f"k{i}" for i in range(4)]

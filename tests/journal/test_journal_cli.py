@@ -221,12 +221,12 @@ def test_migrate_and_check(runner, tmp_path):
     res = runner.invoke(journal, ["check", "--state-dir", str(state), "--json"])
     assert res.exit_code == 1
     out = json.loads(res.output)
-    assert (out["revision"], out["head"], out["ok"]) == ("c0001", "c0007", False)
+    assert (out["revision"], out["head"], out["ok"]) == ("c0001", "c0008", False)
     res = invoke(runner, "migrate", "--state-dir", state)
-    assert "c0001 -> c0007" in res.output
+    assert "c0001 -> c0008" in res.output
     res = invoke(runner, "check", "--state-dir", state)
     assert res.exit_code == 0 and "ok" in res.output
-    assert "already at c0007" in invoke(runner, "migrate", "--state-dir", state).output
+    assert "already at c0008" in invoke(runner, "migrate", "--state-dir", state).output
 
     dump = tmp_path / "buf"
     DumpJournal(dump).close()

@@ -31,7 +31,7 @@ def tables(path) -> set[str]:
 def test_layout():
     root = migrations_dir()
     assert (root / "env.py").is_file() and (root / "script.py.mako").is_file()
-    assert head_revision("controller") == "c0007"
+    assert head_revision("controller") == "c0008"
     assert head_revision("dump") == "d0002"
 
 
@@ -75,7 +75,7 @@ def test_controller_upgrade_preserves_rows(tmp_path):
     con.close()
 
     with ControllerJournal(state) as j:
-        assert j.revision() == "c0007"
+        assert j.revision() == "c0008"
         r = j.get_restore("r1")
         assert {k: r[k] for k in ("partition_id", "dump_dir", "dump_id", "incarnation_id",
                                   "state", "keys", "rows", "bytes")} == {
@@ -89,6 +89,56 @@ def test_controller_upgrade_preserves_rows(tmp_path):
         j.stage_unit("r1", 0, rows=3, bytes=30)
         j.record_recovery(incarnation_id=7, kind="restore", target="r1", action="noted")
         assert len(j.list_recovery_events()) == 1
+
+
+def test_request_answers_keep_their_order_across_the_seq_key(tmp_path):
+    """c0008 keys meta_requests by seq: the recorded answers survive the upgrade (a resent
+    request is still answered by a successor controller), in seq order, and new ones append
+    after them; the downgrade restores the request ID key."""
+    from alembic import command
+    from tqtx.journal import migrate as jm
+    from tqtx.journal.meta import MetaJournal
+    state = tmp_path / "state"
+    state.mkdir()
+    path = controller_journal_path(state)
+    assert migrate(path, "controller", "c0007") == (None, "c0007")
+    con = sqlite3.connect(path)
+    with con:
+        con.executemany("INSERT INTO meta_requests (request_id, seq, reply) VALUES (?, ?, ?)",
+                        [("r-b", 2, b"second"), ("r-a", 1, b"first"), ("r-c", 3, b"third")])
+    con.close()
+    with ControllerJournal(state) as j:
+        assert j.revision() == "c0008"
+        mj = MetaJournal(j.engine, "controller")
+        try:
+            assert mj.load()["answered"] == [("r-a", b"first"), ("r-b", b"second"),
+                                             ("r-c", b"third")]
+            from tqtx.journal.meta import MetaChange
+            mj.write(MetaChange(next_index=1, answered=("r-d", b"fourth")))
+            assert [a[0] for a in mj.load()["answered"]] == ["r-a", "r-b", "r-c", "r-d"]
+        finally:
+            mj.close()
+    con = sqlite3.connect(path)
+    try:
+        cols = [(r[1], r[5]) for r in con.execute("PRAGMA table_info(meta_requests)")]
+        assert ("seq", 1) in cols  # the primary key (the row ID)
+        assert not [r for r in con.execute("PRAGMA index_list(meta_requests)")]
+    finally:
+        con.close()
+    engine = make_engine(path, wal=True)
+    try:
+        with engine.begin() as conn:
+            command.downgrade(jm.alembic_config("controller", conn), "c0007")
+    finally:
+        engine.dispose()
+    con = sqlite3.connect(path)
+    try:
+        assert con.execute("SELECT request_id, seq FROM meta_requests ORDER BY seq").fetchall() \
+            == [("r-a", 1), ("r-b", 2), ("r-c", 3), ("r-d", 4)]
+        assert {r[1] for r in con.execute("PRAGMA index_list(meta_requests)")} >= {
+            "ix_meta_requests_seq"}
+    finally:
+        con.close()
 
 
 def test_dump_upgrade_preserves_rows(tmp_path):

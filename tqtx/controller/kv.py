@@ -200,7 +200,7 @@ class KVRequests:
             out["stale"], out["redo"] = stale, redo
         self._record_reply(change, req, out)  # without the tags: they may be large
         self.journal_meta("commit_put", change)
-        self.meta.apply_commit(pid, updates)
+        self.meta.apply_commit(pid, updates, change)
         faults.hit("controller.meta.commit_put.before_reply")
         if body.get("want_tags"):  # the stored (merged) tags of the keys committed
             out["tags"] = {k: updates[k][2] or {} for k in keys}

@@ -45,7 +45,8 @@ LEASE_TTL = 600.0
 
 
 class Partition:
-    __slots__ = ("pid", "keys", "fields", "tags", "schema", "pending", "lost", "gens")
+    __slots__ = ("pid", "keys", "fields", "tags", "schema", "pending", "lost", "gens",
+                 "journaled")
 
     def __init__(self, pid: str, gens: dict[int, int]):
         self.pid = pid
@@ -56,6 +57,9 @@ class Partition:
         self.schema: dict[str, dict] = {}
         self.pending: dict[str, int] = {}     # allocated by ALLOC, not yet committed
         self.lost: dict[int, int] = {}        # global index -> unit that lost the row
+        # field -> the schema object the journal holds for it: a commit writes only the
+        # schemas that differ (schema dicts are replaced when they change, never edited)
+        self.journaled: dict[str, dict] = {}
 
     def indexes_of(self, keys: list[str]) -> list[int]:
         try:
@@ -108,6 +112,8 @@ class Metadata:
         # Indexes leased to clients for puts of new keys (see grant_lease), oldest first:
         # index -> (generation, when granted). Allocated like a pending key's, no key yet.
         self.leased: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        # the next_index the journal holds (None: unknown): a commit writes it when it differs
+        self.journaled_next_index: int | None = None
         self.next_gen = incarnation << GEN_SHIFT
         self.gen_limit = (incarnation + 1) << GEN_SHIFT
         # Rows' field sets are frozensets, one object per distinct set (never changed in
@@ -309,7 +315,8 @@ class Metadata:
         """(change, updates, common fields) of COMMIT_PUT; memory is left as it is. The
         keys must be visible or pending (see :meth:`stale_keys`)."""
         part = self.require(pid)
-        change = MetaChange(next_index=self.next_index)
+        change = MetaChange(next_index=None if self.next_index == self.journaled_next_index
+                            else self.next_index)
         updates: dict[str, list] = {}  # key -> [idx, fields, tag, was pending]
         written = frozenset(fields)
         merged: dict[int, frozenset] = {}  # id(old field set) -> it | written, shared
@@ -334,13 +341,16 @@ class Metadata:
                 upd[2] = merge_tag(upd[2], tags[i], tag_memo)
         change.rows = [(pid, k, u[0], u[1], u[2] or NO_TAG, None, gens[u[0]])
                        for k, u in updates.items()]
-        change.schemas = [(pid, f, part.schema[f]) for f in dict.fromkeys(fields)
-                          if f in part.schema]
+        schema, journaled = part.schema, part.journaled
+        change.schemas = [(pid, f, schema[f]) for f in dict.fromkeys(fields)
+                          if f in schema and journaled.get(f) is not schema[f]]
         common = frozenset.intersection(*merged.values()) if merged else EMPTY
         return change, updates, sorted(common)
 
-    def apply_commit(self, pid: str, updates: dict) -> None:
+    def apply_commit(self, pid: str, updates: dict, change: MetaChange) -> None:
+        """Apply a commit :meth:`plan_commit` planned, once its ``change`` is journaled."""
         part = self.require(pid)
+        self._journaled(part, change)
         for key, (idx, fields, tag, pending) in updates.items():
             if pending:
                 part.pending.pop(key, None)
@@ -348,6 +358,13 @@ class Metadata:
             part.fields[idx] = fields
             part.tags[key] = tag or NO_TAG
             part.lost.pop(idx, None)
+
+    def _journaled(self, part: Partition, change: MetaChange) -> None:
+        """Note what ``change`` (journaled) wrote of ``part``'s schemas and of next_index."""
+        if change.next_index is not None:
+            self.journaled_next_index = change.next_index
+        for _pid, f, s in change.schemas:
+            part.journaled[f] = s
 
     # ---------------------------------------------------------------- clear
     def plan_clear(self, part: Partition, keys: list[str]) -> tuple[MetaChange, list[str]]:
@@ -394,6 +411,7 @@ class Metadata:
     def apply_publish(self, pid: str, change: MetaChange, schema: dict) -> None:
         part = self.partition(pid, create=True)
         part.schema = schema
+        self._journaled(part, change)
         for _pid, key, idx, fields, tag, _lost, gen in change.rows:
             part.pending.pop(key, None)
             part.keys[key] = idx
@@ -479,7 +497,7 @@ class Metadata:
         self.reserved.clear()
         self.leased.clear()
         self.gens.clear()
-        self.next_index = int(snap["next_index"])
+        self.next_index = self.journaled_next_index = int(snap["next_index"])
         gens = self.gens
         unversioned = []
         used = []
@@ -488,6 +506,7 @@ class Metadata:
         for pid, data in snap["partitions"].items():
             part = self.partition(pid, create=True)
             part.schema = dict(data["schema"])
+            part.journaled = dict(part.schema)  # the journal's, or written with the replace
             keys, fields_of, tags, lost_of = part.keys, part.fields, part.tags, part.lost
             for row in data["rows"]:
                 if len(row) == 6:

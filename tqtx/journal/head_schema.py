@@ -57,13 +57,12 @@ HEAD_SCHEMA_SQL = {'controller': ('\n'
                 '\n',
                 '\n'
                 'CREATE TABLE meta_requests (\n'
+                '\tseq INTEGER NOT NULL, \n'
                 '\trequest_id VARCHAR(64) NOT NULL, \n'
-                '\tseq BIGINT NOT NULL, \n'
                 '\treply BLOB NOT NULL, \n'
-                '\tCONSTRAINT pk_meta_requests PRIMARY KEY (request_id)\n'
+                '\tCONSTRAINT pk_meta_requests PRIMARY KEY (seq)\n'
                 ')\n'
                 '\n',
-                'CREATE INDEX ix_meta_requests_seq ON meta_requests (seq)',
                 '\n'
                 'CREATE TABLE meta_schemas (\n'
                 '\tpartition_id TEXT NOT NULL, \n'
@@ -208,9 +207,9 @@ def write() -> None:
     path = Path(__file__)
     text = path.read_text()
     start = text.index("HEAD_SCHEMA_SQL = {")
-    end = text.index("\n}\n", start) + 3
+    end = text.index("\n\n\ndef compiled(", start)  # the constant ends where this follows
     new = "HEAD_SCHEMA_SQL = " + pprint.pformat(
-        {c: compiled(c) for c in ("controller", "dump")}, width=100, sort_dicts=False) + "\n"
+        {c: compiled(c) for c in ("controller", "dump")}, width=100, sort_dicts=False)
     path.write_text(text[:start] + new + text[end:])
 
 

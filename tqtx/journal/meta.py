@@ -68,7 +68,7 @@ ROW_LOG_UNITS = "row_log_units"  # marker: the units logged their rows; how many
 # Replies of mutating requests kept in meta_requests: a resent copy comes within the
 # client's reconnect timeout, so the newest few thousand are plenty.
 REQUESTS_KEPT = 4096
-_ANSWER = "INSERT OR REPLACE INTO meta_requests (request_id, seq, reply) VALUES (?, ?, ?)"
+_ANSWER = "INSERT INTO meta_requests (seq, request_id, reply) VALUES (?, ?, ?)"
 _TRIM_ANSWERS = "DELETE FROM meta_requests WHERE seq <= ?"
 _TRIM_EVERY = 64  # answers written between trims (the table holds up to REQUESTS_KEPT + 64)
 
@@ -314,7 +314,7 @@ class MetaJournal:
         """Record a request's reply (inside the change's transaction); every
         :data:`_TRIM_EVERY` answers, drop those beyond the newest :data:`REQUESTS_KEPT`."""
         seq = self._answers + 1
-        self._db.execute(_ANSWER, (answered[0], seq, answered[1]))
+        self._db.execute(_ANSWER, (seq, answered[0], answered[1]))
         if seq % _TRIM_EVERY == 0:
             self._db.execute(_TRIM_ANSWERS, (seq - REQUESTS_KEPT,))
         self._answers = seq

@@ -223,8 +223,10 @@ class MetaRequest(ControllerBase):
     with it instead of acting twice. The newest ``tqtx.journal.meta.REQUESTS_KEPT`` stay."""
     __tablename__ = "meta_requests"
 
-    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    seq: Mapped[int] = mapped_column(BigInteger, index=True)
+    # keyed by seq (the row ID): an answer appends to the table's last page, and the
+    # answers are read whole, in seq order, when a controller starts
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    request_id: Mapped[str] = mapped_column(String(64))
     reply: Mapped[bytes] = mapped_column(LargeBinary)                # msgpack of the reply
 
 
