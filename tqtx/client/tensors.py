@@ -11,7 +11,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from ..layout import fsutil, pages
-from . import result_layout
+from . import batches, result_layout
 from .nested import jagged
 from ..arguments.kinds import check_utf8
 from ..wire import shm
@@ -506,12 +506,12 @@ def tensordict_from_columns(columns: dict, schemas: dict, n: int, *,
                             layout: str = "tqtx") -> TensorDict:
     """A batch from GET_ROWS columns. ``layout="transferqueue"``: tensor fields come back
     nested (jagged) as in TransferQueue, even with uniform shapes; default: dense then."""
-    td = TensorDict({}, batch_size=[n])
+    out = {}
     for field, values in columns.items():
         col = assemble_column(values, schemas.get(field, {}))
         if col is None:
             continue
         if layout == "transferqueue":
             col = _transferqueue_layout(col)
-        td.set(field, col)
-    return td
+        out[field] = col
+    return batches.batch(out, n)
