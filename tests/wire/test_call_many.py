@@ -280,3 +280,39 @@ def test_after_send_runs_while_the_peers_work_and_its_error_waits_for_them(units
     finally:
         for p in peers:
             p.close()
+
+
+def test_one_request_is_answered_as_one_among_many(units):
+    """call_many of a single request (a small put or get: one unit) takes a shorter path;
+    its results, errors and deadlines are those of a request among many."""
+    peer = _peers(units)[0]
+    try:
+        assert call_many([(peer, "FAST", {"n": 3})]) == [{"from": "unit-0", "n": 3}]
+        # an error of the server's is the request's result, or raised
+        (err,) = call_many([(peer, "NO_SUCH_OP", {})], raise_first=False)
+        assert isinstance(err, ValueError) and "unknown request type" in str(err)
+        with pytest.raises(ValueError, match="unknown request type"):
+            call_many([(peer, "NO_SUCH_OP", {})])
+        # a silent server: a timeout naming the peer and the time waited
+        t0 = time.monotonic()
+        (err,) = call_many([(peer, "SILENT", {})], timeout=0.3, raise_first=False)
+        assert isinstance(err, PeerTimeoutError) and "unit 0" in str(err)
+        assert 0.3 <= _waited(err) < 2 and time.monotonic() - t0 < 2
+        # the late reply of an abandoned request is never taken for a later one's
+        (err,) = call_many([(peer, "LATE", {"s": 0.4, "n": 1})], timeout=0.1,
+                           raise_first=False)
+        assert isinstance(err, PeerTimeoutError)
+        time.sleep(0.5)
+        assert call_many([(peer, "FAST", {"n": 2})]) == [{"from": "unit-0", "n": 2}]
+        # the caller's own work between send and wait: its error comes once answered
+        answered = len(units[0].answered)
+        with pytest.raises(RuntimeError, match="own work failed"):
+            call_many([(peer, "LATE", {"s": 0.2, "n": 4})],
+                      after_send=lambda: (_ for _ in ()).throw(RuntimeError("own work failed")))
+        assert len(units[0].answered) == answered + 1  # answered before the error came
+        assert call_many([(peer, "FAST", {"n": 5})]) == [{"from": "unit-0", "n": 5}]
+        # a body that cannot be encoded fails that request alone, before anything is sent
+        (err,) = call_many([(peer, "FAST", {"x": object()})], raise_first=False)
+        assert isinstance(err, TypeError)
+    finally:
+        peer.close()
