@@ -129,4 +129,10 @@ def value_nbytes(value) -> int:
 
 def row_nbytes(row: dict) -> int:
     """Payload bytes of a stored row (its values' :func:`value_nbytes`)."""
-    return sum(value_nbytes(v) for v in row.values())
+    n = 0
+    for v in row.values():  # tensors inline: every row a unit stores or drops comes here
+        if type(v) is RawTensor:
+            n += prod(v.shape) * DTYPE_SIZES[v.dtype]
+        else:
+            n += value_nbytes(v)
+    return n
