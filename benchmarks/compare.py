@@ -17,8 +17,12 @@ Two parts, each alternating its engines inside every repetition:
   baseline in alternating runs of one repetition each (TransferQueue has no selective dump).
 
 Prints one table of medians: every figure, tqtx's time, the baseline's and TransferQueue's
-as tqtx's speed against them, and the floor; a figure more than 3% slower than the baseline
-is flagged. With matplotlib installed, --png draws the speed-ups as a bar chart.
+as tqtx's speed against them, and the floor. Against the baseline the speed is the median of
+the repetitions' paired ratios (tqtx and the baseline of one repetition run back to back):
+this machine's speed drifts by 10-30% over minutes, which a ratio of two medians takes in
+and a pair mostly does not. A figure whose paired median is more than 3% slower than the
+baseline is flagged, with the spread of its pairs. With matplotlib installed, --png draws
+the speed-ups as a bar chart.
 Everything runs in RAM file systems (/dev/shm) on this host.
 """
 from __future__ import annotations
@@ -50,8 +54,8 @@ def baseline_tree(rev: str, where: str) -> str:
 
 
 def dump_restore_runs(a, base: str | None, work: str) -> dict:
-    """Alternating one-repetition runs of dump_restore.py per tree: the medians of V2 save
-    and restore (units) and of the floors."""
+    """Alternating one-repetition runs of dump_restore.py per tree: per tree, the times of
+    V2 save and restore (units) and of the floors, one per repetition."""
     trees = [("tqtx", None)] + ([("base", base)] if base else [])
     out: dict = {name: {"dump": [], "restore": [], "write floor": [], "read floor": []}
                  for name, _ in trees}
@@ -73,13 +77,17 @@ def dump_restore_runs(a, base: str | None, work: str) -> dict:
             out[name]["write floor"].append(sec["save"]["seconds"]["floor"])
             out[name]["restore"].append(sec["restore"]["seconds"]["V2 units"])
             out[name]["read floor"].append(sec["restore"]["seconds"]["floor"])
-    return {name: {k: statistics.median(v) for k, v in figs.items()}
-            for name, figs in out.items()}
+    return out
+
+
+def paired(times: list, base: list) -> list:
+    """tqtx's time over the baseline's, repetition by repetition ([] without a baseline)."""
+    return [t / b for t, b in zip(times, base) if b] if base and len(base) == len(times) else []
 
 
 def table(kv: dict, dr: dict) -> tuple[list[list[str]], list[str], dict]:
     """Rows of the combined table, the flagged regressions and the speed-ups (for a chart)."""
-    med = kv["median_s"]
+    med, runs = kv["median_s"], kv.get("all_s", {})
     rows, flagged, speedups = [], [], {}
     latency = set(get_throughput.LATENCY_OPS)
 
@@ -87,21 +95,29 @@ def table(kv: dict, dr: dict) -> tuple[list[list[str]], list[str], dict]:
         return f"{t * 1e3:.3f} ms" if op in latency else f"{t:.3f} s"
 
     figures = [(op, med["tqtx"].get(op), med.get("base", {}).get(op), med.get("tq", {}).get(op),
-                med["floor"].get(op)) for op in get_throughput.OPS]
+                med["floor"].get(op), paired(runs.get("tqtx", {}).get(op, []),
+                                             runs.get("base", {}).get(op, [])))
+               for op in get_throughput.OPS]
     for op, name, floor_key in (("dump", "dump_data_by_key", "write floor"),
                                 ("restore", "load_data_by_key", "read floor")):
-        figures.append((name, dr["tqtx"][op], dr.get("base", {}).get(op), None,
-                        dr["tqtx"][floor_key]))
-    for op, t, base, tq, floor in figures:
+        mine, base = dr["tqtx"][op], dr.get("base", {}).get(op)
+        figures.append((name, statistics.median(mine), base and statistics.median(base), None,
+                        statistics.median(dr["tqtx"][floor_key]), paired(mine, base)))
+    for op, t, base, tq, floor, pairs in figures:
+        # against the baseline: the median of the paired ratios (the module docstring)
+        ratio = statistics.median(pairs) if pairs else (t / base if base else None)
         row = [op, fmt(t, op)]
-        row.append(f"{base / t:.2f}x" if base else "")
+        row.append(f"{1 / ratio:.2f}x" if ratio else "")
         row.append(f"{tq / t:.2f}x" if tq else "")
         row.append(f"{t / floor:.2f}" if floor else "")
         rows.append(row)
-        speedups[op] = {"vs base": base / t if base else None, "vs TQ": tq / t if tq else None}
-        if base and t > base * REGRESSION:
-            flagged.append(f"{op}: {fmt(t, op)} against the baseline's {fmt(base, op)} "
-                           f"({t / base:.3f}x the time)")
+        speedups[op] = {"vs base": 1 / ratio if ratio else None, "vs TQ": tq / t if tq else None}
+        if ratio and ratio > REGRESSION:
+            spread = (f"; pairs {min(pairs):.2f}-{max(pairs):.2f}, "
+                      f"{sum(r > REGRESSION for r in pairs)} of {len(pairs)} over "
+                      f"{REGRESSION:.2f}" if pairs else "")
+            flagged.append(f"{op}: {ratio:.3f}x the baseline's time (medians {fmt(t, op)} "
+                           f"against {fmt(base, op)}{spread})")
     return rows, flagged, speedups
 
 
@@ -162,7 +178,8 @@ def main(argv=None) -> int:
     print()
     print(f"tqtx against {'baseline ' + a.baseline if a.baseline else 'no baseline'}"
           f"{'' if kv.get('tq_note') is None else '; ' + kv['tq_note']}; {a.units} units, "
-          f"{a.mb} MiB, median of {a.reps}")
+          f"{a.mb} MiB, median of {a.reps}; against the baseline: the median of the "
+          f"repetitions' paired ratios")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for row in rows:
