@@ -246,12 +246,7 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
         entry = waiting.setdefault((id(peer), rid), [peer, op, peer._sent_at, 0.0, []])
         entry[3] = peer._sent_at + t
         entry[4].append(pos)
-    own_error = None
-    if after_send is not None:
-        try:
-            after_send()
-        except Exception as exc:  # noqa: BLE001 -- raised once the peers have answered
-            own_error = exc
+    own_error = _own_work(after_send)
     peers = {id(w[0]): w[0] for w in waiting.values()}
     if len(peers) == 1:  # a request to one server (a small put or get): its own poller
         poller = next(iter(peers.values())).poller
@@ -337,12 +332,7 @@ def _call_one(call: tuple, timeout: float | None, raise_first: bool, after_send)
     except Exception as exc:  # e.g. a body that cannot be encoded: that request fails
         result = exc
     else:
-        own_error = None
-        if after_send is not None:
-            try:
-                after_send()
-            except Exception as exc:  # noqa: BLE001 -- raised once the peer has answered
-                own_error = exc
+        own_error = _own_work(after_send)
         try:
             result = pending.wait(timeout)
         except Exception as exc:  # its error, a dead or silent peer: that request fails
@@ -352,3 +342,14 @@ def _call_one(call: tuple, timeout: float | None, raise_first: bool, after_send)
     if raise_first and isinstance(result, BaseException):
         raise result
     return [result]
+
+
+def _own_work(after_send) -> Exception | None:
+    """Run the caller's ``after_send`` (if any) while the servers work: its Exception, to
+    raise once they have answered, or None."""
+    if after_send is not None:
+        try:
+            after_send()
+        except Exception as exc:  # noqa: BLE001 -- raised once the servers have answered
+            return exc
+    return None
