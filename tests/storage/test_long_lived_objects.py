@@ -54,11 +54,16 @@ def test_a_server_keeps_nothing_per_mutating_request_it_answered():
             rids = [f"retry-me-{i:04d}" for i in range(600)]
             for i, rid in enumerate(rids):
                 assert peer.call("SET", {"n": i}, rid=rid) == {"rows": i, "bytes": 64 * i}
-            time.sleep(0.1)
-            after = tracemalloc.take_snapshot()
-        # 600 recorded replies, each once a header, a frame list, a cache node and a key
-        # (about 2,400 blocks); what stays now is the last request's few objects
-        kept = _blocks_from(before, after, "wire/rpc.py", "metrics.py", "wire/id_records.py")
+            # 600 recorded replies, each once a header, a frame list, a cache node and a
+            # key (about 2,400 blocks); what stays is the last request's few objects, once
+            # the server's loop has finished its turn (on a loaded machine that takes a
+            # while after the reply left)
+            for _ in range(20):
+                time.sleep(0.1)
+                kept = _blocks_from(before, tracemalloc.take_snapshot(), "wire/rpc.py",
+                                    "metrics.py", "wire/id_records.py")
+                if kept < 30:
+                    break
         assert kept < 30, kept
         # and every one of them is still answered from the cache, not run again
         assert peer.call("SET", {"n": -1}, rid=rids[0]) == {"rows": 0, "bytes": 0}

@@ -23,12 +23,15 @@ _COMMIT_UNSURE = ("its rows are on the units but its commit may not have been ap
 # Only a controller found gone is waited for: one that is alive but slow (a timeout)
 # is reported as before.
 _CONTROLLER_LOST = (PeerDiedError,)
+# Sends of one COMMIT_PUT (the first included) to a controller that keeps going away;
+# each waits for the controller to come back first (Client.await_controller, bounded).
+COMMIT_SENDS = 8
 
 
 class _ControllerRestarted(Exception):
     """An ALLOC met a new controller incarnation (which forgot it), or the controller went
-    away again while a step was sent once more: the put is redone from ALLOC. ``args[0]``:
-    the step, ALLOC or COMMIT_PUT."""
+    away again while it was sent once more: the put is redone from ALLOC (nothing of it is
+    visible before its commit). ``args[0]``: the step (ALLOC)."""
 
 
 def put_columns(client, keys: list[str], pid: str, columns: dict[str, list],
@@ -63,7 +66,9 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
       from the start; it answers a COMMIT_PUT the last one journaled with its recorded
       reply, and otherwise commits the keys that still hold their generations (their
       rows are on the units) and names the keys that were new for the put to do again
-      (it never knew them: pending keys are not journaled).
+      (it never knew them: pending keys are not journaled). A COMMIT_PUT is asked again of
+      each controller that comes back, never redone from ALLOC: a redo could write again
+      a key that the lost commit had made visible, after other writes since.
 
     Unit and validation errors are never retried; a put that fails leaves no row of a new
     key on any unit. A put that committed some keys and then failed raises
@@ -88,14 +93,13 @@ def _put_all(client, keys, pid, columns, schemas, tags, with_tags) -> tuple[list
         try:
             fields, redo, nbytes = _put_once(client, sub_keys, pid, sub_cols, schemas,
                                              sub_tags, what, write, with_tags, stored)
-        except _ControllerRestarted as exc:
+        except _ControllerRestarted:
             restarted += 1
             if restarted == 2:
                 raise _failed(PeerDiedError(
                     f"the controller at {client.address} restarted twice while {what}; none "
                     f"of its keys is committed by this call: put them again"), done, sub_keys)
-            # rows of keys that existed are on the units already if PUT_ROWS ran
-            write = exc.pending if exc.args[0] == "COMMIT_PUT" else None
+            write = None  # an ALLOC's controller came back new: the whole put again
             continue
         except BaseException as exc:
             raise _failed(exc, done, sub_keys) from None
@@ -125,22 +129,37 @@ def _failed(exc: BaseException, done: list[str], failed: list[str]) -> BaseExcep
 def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str):
     """One controller request of a put, sent to controller ``incarnation``; raises
     _ControllerRestarted if an ALLOC's controller came back as another incarnation (or
-    the controller went away twice)."""
+    went away twice). A COMMIT_PUT is sent again, with its request ID, to every controller
+    that comes back (COMMIT_SENDS sends in all, then PeerDiedError saying ``outcome``),
+    never given up for a redo of the put."""
     rid = new_id()
     try:
         return client.controller.call(op, body, rid=rid)
     except _CONTROLLER_LOST:
         topo = client.await_controller(what, outcome=outcome)
-    if (incarnation is None or topo.get("incarnation") != incarnation) and op != "COMMIT_PUT":
-        raise _ControllerRestarted(op)
-    # The same process: its reply cache answers if it acted on the first copy. A new one
-    # answers a COMMIT_PUT the last one journaled with that reply (tqtx.journal.meta);
-    # else it commits the keys still at their generations, and names the keys that were
-    # new (pending keys are not journaled) for the put to do again (COMMIT_PUT's redo).
-    try:
-        return client.controller.call(op, body, rid=rid)
-    except _CONTROLLER_LOST:
-        raise _ControllerRestarted(op) from None
+    if op != "COMMIT_PUT":
+        if incarnation is None or topo.get("incarnation") != incarnation:
+            raise _ControllerRestarted(op)
+        try:  # the same process: its reply cache answers if it acted on the first copy
+            return client.controller.call(op, body, rid=rid)
+        except _CONTROLLER_LOST:
+            raise _ControllerRestarted(op) from None
+    # Whether a controller that went away applied the commit is known only to the journal:
+    # a new one answers a COMMIT_PUT the last one journaled with that reply
+    # (tqtx.journal.meta); else it commits the keys still at their generations, and names
+    # the keys that were new (pending keys are not journaled) for the put to do again
+    # (COMMIT_PUT's redo). A redo of the put from ALLOC instead could write a key that the
+    # lost commit had made visible a second time, after writes made since (a checkpoint
+    # load, a put of another client): so the commit is asked again until a controller
+    # answers it.
+    for sent in range(2, COMMIT_SENDS + 1):
+        try:
+            return client.controller.call(op, body, rid=rid)
+        except _CONTROLLER_LOST:
+            if sent == COMMIT_SENDS:
+                raise PeerDiedError(f"the controller at {client.address} went away {sent} "
+                                    f"times while {what}; {outcome}") from None
+            client.await_controller(what, outcome=outcome)
 
 
 def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
@@ -163,16 +182,10 @@ def _put_once(client, keys, pid, columns, schemas, tags, what, write, with_tags,
     try:
         nbytes, refused = _write_rows(client, indexes, gens, columns, write)
         faults.hit("client.put.before_commit")
-        try:
-            res = _put_step(client, "COMMIT_PUT", {"partition_id": pid, "keys": keys,
-                                                   "fields": list(columns), "tags": tags,
-                                                   "gens": gens, "want_tags": with_tags},
-                            incarnation, what, _COMMIT_UNSURE)
-        except _ControllerRestarted as exc:
-            exc.pending = {j for j, p in enumerate(pending) if p}
-            raise
-    except _ControllerRestarted:
-        raise
+        res = _put_step(client, "COMMIT_PUT", {"partition_id": pid, "keys": keys,
+                                               "fields": list(columns), "tags": tags,
+                                               "gens": gens, "want_tags": with_tags},
+                        incarnation, what, _COMMIT_UNSURE)
     except BaseException:
         _abandon_put(client, pid, keys, gens)
         raise
@@ -263,11 +276,6 @@ def _put_leased(client, keys, pid, columns, schemas, tags, what, with_tags, stor
             "partition_id": pid, "keys": keys, "fields": list(columns), "tags": tags,
             "gens": gens, "want_tags": with_tags, "leased": [indexes, gens],
             "schemas": schemas}, None, what, _COMMIT_UNSURE)
-    except _ControllerRestarted:
-        # The controller went away twice: whether one of them committed is unknown, so
-        # the rows stay. ALLOC's path puts the keys again: at these indexes if the commit
-        # was journaled, else at new ones (a successor has the units drop these rows).
-        return None
     except BaseException:
         _abandon_put(client, pid, keys, gens)
         raise
