@@ -30,6 +30,19 @@ def _blocks_from(snapshot_before, snapshot_after, *suffixes: str) -> int:
     return grown
 
 
+# Blocks a server may still hold after 600 answered requests: far under the ~2,400 that
+# one kept object per request would leave
+KEPT_BOUND = 100
+
+
+def _largest(snapshot_before, snapshot_after, n: int = 5) -> list[str]:
+    """The sites that grew most, for a failure message."""
+    grown = [d for d in snapshot_after.compare_to(snapshot_before, "traceback")
+             if d.count_diff > 0]
+    grown.sort(key=lambda d: -d.count_diff)
+    return [f"{d.count_diff} blocks: {d.traceback.format()[-2:]}" for d in grown[:n]]
+
+
 @contextlib.contextmanager
 def _traced(frames: int = 12):
     tracemalloc.start(frames)
@@ -55,16 +68,18 @@ def test_a_server_keeps_nothing_per_mutating_request_it_answered():
             for i, rid in enumerate(rids):
                 assert peer.call("SET", {"n": i}, rid=rid) == {"rows": i, "bytes": 64 * i}
             # 600 recorded replies, each once a header, a frame list, a cache node and a
-            # key (about 2,400 blocks); what stays is the last request's few objects, once
-            # the server's loop has finished its turn (on a loaded machine that takes a
-            # while after the reply left)
+            # key, would keep about 2,400 blocks; what stays is the last request's few
+            # objects once the server's loop has finished its turn, plus whatever threads
+            # other tests left in this process allocate meanwhile through the same files
+            # (32-44 blocks seen on a loaded CI worker)
             for _ in range(20):
                 time.sleep(0.1)
-                kept = _blocks_from(before, tracemalloc.take_snapshot(), "wire/rpc.py",
-                                    "metrics.py", "wire/id_records.py")
-                if kept < 30:
+                after = tracemalloc.take_snapshot()
+                kept = _blocks_from(before, after, "wire/rpc.py", "metrics.py",
+                                    "wire/id_records.py")
+                if kept < KEPT_BOUND:
                     break
-        assert kept < 30, kept
+        assert kept < KEPT_BOUND, (kept, _largest(before, after))
         # and every one of them is still answered from the cache, not run again
         assert peer.call("SET", {"n": -1}, rid=rids[0]) == {"rows": 0, "bytes": 0}
         assert peer.call("SET", {"n": -1}, rid=rids[-1]) == {"rows": 599, "bytes": 599 * 64}
