@@ -7,5 +7,5 @@ from tqtx).
   pread loops.
 * :mod:`.pages` -- huge pages for the fresh memory reads go into (read regions, get results).
 * :mod:`.libc` -- the C library, loaded once, for the calls Python has no binding of.
-* :mod:`.switches` -- features turned off from the environment, one spelling of "off".
+* :mod:`.switches` -- features turned off (or forced on) from the environment, one spelling each.
 """
