@@ -19,7 +19,7 @@ from .client.client import Client
 from .client.kvmeta import KVBatchMeta
 from .compat.dataplane import list_lost_keys  # noqa: F401  (tq.list_lost_keys)
 from .errors import NotInitializedError
-from .client.gcpause import gc_paused
+from .process.gcpause import gc_paused
 from .arguments.kinds import is_tensordict
 
 __all__ = [*public.CALLS, "KVBatchMeta"]

@@ -69,8 +69,9 @@ class MetaRun(Run):
         deadline = time.monotonic() + WAIT
         while ctl.poll() is None and t.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        if ctl.poll() is None:
-            t.join(WAIT)
+        # a point after the reply (a checkpoint load's keys) kills it once fn has returned
+        while ctl.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert ctl.poll() is not None, (self.spec, "the controller did not die", done)
         dep.restart_controller(env={"TQTX_FAULTS": ""})
         self.restarted.add("controller")
@@ -296,6 +297,7 @@ def _end_buffer(run: MetaRun, ref) -> dict:
 
 
 OPS = {"commit_put": _commit_put, "clear": _clear, "checkpoint_replace": _checkpoint_replace,
+       "checkpoint_keys": _checkpoint_replace,
        "restore_publish": _restore_publish, "unit_lost": _unit_lost, "end_buffer": _end_buffer}
 
 

@@ -134,6 +134,10 @@ META = {f"controller.meta.{op}.{stage}":
         {"kill": META_KEPT if stage == "before_commit" and op in _KEPT_BEFORE_COMMIT
          else META_CHANGED}
         for op in META_OPS for stage in META_STAGES}
+# A checkpoint load's keys written row by row after its reply: the load was decided and
+# answered, so its metadata is back either way (from the decision's blob before the write).
+META.update({f"controller.meta.checkpoint_keys.{stage}": {"kill": META_CHANGED}
+             for stage in ("before_commit", "after_commit")})
 
 # A unit's row log (durability sync) at every point of its append, seal, compaction and
 # fsync: the unit is killed there (or the step raises), then the whole job is killed and

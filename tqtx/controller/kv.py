@@ -21,10 +21,11 @@ from typing import Callable, Protocol
 from .. import faults
 from .. import states as st
 from ..errors import FieldsNotFoundError, KeysNotFoundError, PartitionNotFoundError
-from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLAN, MetaChange,
-                            MetaJournal)
+from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_KEYS, CHECKPOINT_LOAD,
+                            CHECKPOINT_PLAN, MetaChange, MetaJournal)
 from ..journal.controller import ControllerJournal
 from ..plan import checkpoint_save_requests
+from ..process.gcpause import gc_paused
 from ..wire import codec
 from ..wire.columns import pack_int64
 from .lost import lost_keys
@@ -34,9 +35,10 @@ from .units import UnitPeers
 
 log = logging.getLogger("tqtx.controller")
 
-# Fault points around every metadata write: controller.meta.<op>.<stage>
-META_OPS = ("commit_put", "clear", "checkpoint_replace", "restore_publish", "unit_lost",
-            "end_buffer")
+# Fault points around every metadata write: controller.meta.<op>.<stage> (checkpoint_keys,
+# written after its load's reply, has no before_reply)
+META_OPS = ("commit_put", "clear", "checkpoint_replace", "checkpoint_keys", "restore_publish",
+            "unit_lost", "end_buffer")
 META_STAGES = ("before_commit", "after_commit", "before_reply")
 MAX_LEASE = 256  # indexes one ALLOC may lease to a client
 
@@ -98,6 +100,18 @@ class RestoreGate(Protocol):
         is unresolved."""
 
 
+def _checkpoint_rows(snap: dict, gen_base: int) -> list:
+    """The meta_keys rows of checkpoint ``snap``'s keys, the row at index ``i`` taking
+    generation ``gen_base + i`` (as :meth:`Metadata.replace` gives them)."""
+    rows = []
+    for pid, data in snap["partitions"].items():
+        for row in data["rows"]:
+            key, idx, fields, tag = row[:4]
+            rows.append((pid, key, idx, fields, tag or {}, row[4] if len(row) > 4 else None,
+                         gen_base + idx))
+    return rows
+
+
 class CheckpointPlan:
     """A checkpoint load's read plan as journaled: ``[[unit, LOAD_CHECKPOINT body], ...]``,
     packed. Read only when a unit re-registers before it switched (it restarted and
@@ -136,12 +150,45 @@ class KVRequests:
         # switched reads its rows again (None: the client sent none)
         self.checkpoint_plan: CheckpointPlan | None = None
         self.replace_epoch = 0  # buffer replacements (checkpoint loads, ends) so far
+        # the decided checkpoint load whose keys the journal holds as one blob so far:
+        # (its metadata, its generation base)
+        self.checkpoint_keys: tuple[dict, int] | None = None
 
     def journal_meta(self, op: str, change: MetaChange) -> None:
-        """Write ``change`` (one transaction) with the ``controller.meta.<op>.*`` points."""
+        """Write ``change`` (one transaction) with the ``controller.meta.<op>.*`` points;
+        a change of keys, schemas or the next index comes after the keys of a checkpoint
+        load (:meth:`journal_checkpoint_keys`), one replacing everything instead of them."""
+        if self.checkpoint_keys is not None:
+            if change.replace:
+                self.checkpoint_keys = None  # the blob goes with every other row
+            elif (change.rows or change.deleted or change.schemas or change.dropped
+                  or change.next_index is not None):
+                self.journal_checkpoint_keys()
         faults.hit(f"controller.meta.{op}.before_commit")
         self.metajournal.write(change)
         faults.hit(f"controller.meta.{op}.after_commit")
+
+    @gc_paused  # a row tuple per key, no cycles
+    def journal_checkpoint_keys(self) -> None:
+        """Write the keys of the checkpoint load decided last to meta_keys, one row per key,
+        and drop the blob that held them (a no-op when there are none to write).
+
+        The load's decision journals its metadata as one blob (CHECKPOINT_KEYS): writing
+        thousands of rows takes longer than the load's other controller work together, so
+        it is done after the reply (or by the startup replay). Any later change of keys
+        comes after it (:meth:`journal_meta`; a restore's publish through
+        :meth:`RestoreCoordinator.before_publish`), so a journal holding the blob holds
+        no other key."""
+        pending = self.checkpoint_keys
+        if pending is None:
+            return
+        self.checkpoint_keys = None
+        try:
+            self.journal_meta("checkpoint_keys", MetaChange(
+                rows=_checkpoint_rows(*pending), blobs={CHECKPOINT_KEYS: None}))
+        except BaseException:
+            self.checkpoint_keys = pending  # written before the next change of keys
+            raise
 
     def alloc(self, body, req):
         """Resolve keys to indexes after validating schemas; new keys become pending (not
@@ -405,6 +452,7 @@ class KVRequests:
                 lost.append([pid, key])
         return {"replaced": False, "lost": lost}
 
+    @gc_paused  # the checkpoint's metadata, decoded: no cycles
     def checkpoint_replace(self, body, req):
         """Replace all metadata with a checkpoint's; with ``load_id`` (the units staged that
         checkpoint) also switch the units to it.
@@ -416,13 +464,17 @@ class KVRequests:
         units switch (APPLY_CHECKPOINT) and the marker goes. A controller restarted in
         between finds the marker and rolls the switch forward as units re-register
         (:meth:`Controller.register_unit`); a unit that restarted too, and so holds the load
-        neither staged nor applied, reads its rows again by the plan."""
+        neither staged nor applied, reads its rows again by the plan. The decision holds
+        the keys as the checkpoint's controller file packs them; they are written row by
+        row once the reply has left (:meth:`journal_checkpoint_keys`)."""
         self.restores.refuse("load_checkpoint")
         self.require_units("load_checkpoint")
         # the metadata as the checkpoint's controller file holds it
-        snap, load_id = codec.unpackb(body["metadata_packed"]), body.get("load_id")
+        packed_meta, load_id = bytes(body["metadata_packed"]), body.get("load_id")
+        snap = codec.unpackb(packed_meta)
         gen_base = self.meta.take_gens(self.meta.gen_span(snap))
-        change = self.meta.plan_replace(snap, gen_base)
+        change = self.meta.plan_replace(snap)
+        change.blobs = {CHECKPOINT_KEYS: codec.packb([gen_base, packed_meta])}
         plan = None
         if load_id:
             change.markers = {CHECKPOINT_LOAD: load_id, CHECKPOINT_GEN_BASE: gen_base}
@@ -430,9 +482,12 @@ class KVRequests:
             packed = body.get("unit_loads_packed")
             if packed is not None:
                 plan = CheckpointPlan(bytes(packed))
-                change.blobs = {CHECKPOINT_PLAN: plan.packed}
+                change.blobs[CHECKPOINT_PLAN] = plan.packed
             st.check(st.CHECKPOINT_LOAD, st.STAGING, st.DECIDED, subject=f"checkpoint load {load_id}")
         self.journal_meta("checkpoint_replace", change)
+        if self.metajournal.enabled:
+            self.checkpoint_keys = (snap, gen_base)
+            self.after_reply(self.journal_checkpoint_keys)
         if load_id:  # durable before any unit switches (and logs that it did)
             self.metajournal.make_durable()
         self.meta.replace(snap, gen_base)

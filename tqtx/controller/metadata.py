@@ -459,16 +459,12 @@ class Metadata:
             "partitions": {p.pid: {"schema": p.schema, "rows": rows(p)} for p in self.visible()},
         }
 
-    def plan_replace(self, snap: dict, gen_base: int) -> MetaChange:
-        """The journal change that replaces everything with checkpoint ``snap``, the row
-        at index ``i`` taking generation ``gen_base + i`` (see :meth:`replace`)."""
+    def plan_replace(self, snap: dict) -> MetaChange:
+        """The journal change that replaces everything with checkpoint ``snap``'s schemas
+        and next index; its keys are journaled apart (see :meth:`replace`)."""
         change = MetaChange(replace=True, next_index=int(snap["next_index"]))
         for pid, data in snap["partitions"].items():
             change.schemas.extend((pid, f, s) for f, s in data["schema"].items())
-            for row in data["rows"]:
-                key, idx, fields, tag = row[:4]
-                change.rows.append((pid, key, idx, fields, tag or {},
-                                    row[4] if len(row) > 4 else None, gen_base + idx))
         return change
 
     @staticmethod

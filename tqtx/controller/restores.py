@@ -61,6 +61,9 @@ class RestoreCoordinator:
         self.require_units, self.topology, self.defer = require_units, topology, defer
         self.apply_timeout = apply_timeout
         self.plans: dict[str, RestorePlan] = {}  # unresolved restores, by restore ID
+        # run before a publish journals keys: metadata the journal still holds elsewhere
+        # is written first (KVRequests.journal_checkpoint_keys)
+        self.before_publish: Callable[[], None] = lambda: None
 
     # ---------------------------------------------------------------- begin
     def validate_dump_schema(self, body, req):
@@ -268,6 +271,8 @@ class RestoreCoordinator:
                 units=st.unit_states(rec), partition_id=plan.partition_id)
         change, schema = self.meta.plan_publish(plan.partition_id, plan.rows, plan.field_schema)
         # The published metadata and the end of the restore are one journal transaction.
+        if self.store_plans:
+            self.before_publish()
         faults.hit("controller.meta.restore_publish.before_commit")
         done = self.journal.finish_restore(rid, st.COMMITTED, None,
                                            meta_change=change if self.store_plans else None)

@@ -116,6 +116,7 @@ class Controller:
             units=self.unit_peers, num_units=num_units, incarnation=self.incarnation,
             restores=self.restores, require_units=self._require_units, topology=self._topology,
             after_reply=self.server.after_reply)
+        self.restores.before_publish = self.kv.journal_checkpoint_keys
         self.dataplane = DataPlaneRequests(meta=self.meta, kv=self.kv)
         self.recovered = replay(self)
         # After replaying a buffer, new rows wait until every unit has re-registered (and

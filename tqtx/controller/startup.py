@@ -19,8 +19,8 @@ from ..errors import DumpFormatError
 from ..durability import LOGGED
 from ..journal.controller import ControllerJournal
 from ..journal.dump import DumpJournal
-from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_LOAD, CHECKPOINT_PLAN, ROW_LOG_UNITS,
-                            MetaChange)
+from ..journal.meta import (CHECKPOINT_GEN_BASE, CHECKPOINT_KEYS, CHECKPOINT_LOAD,
+                            CHECKPOINT_PLAN, ROW_LOG_UNITS, MetaChange)
 from ..layout.paths import find_dump_journal
 from ..plan import RestorePlan
 from ..wire import codec
@@ -34,7 +34,18 @@ def replay(ctl) -> list[dict]:
     recovery actions taken (also journaled as recovery events)."""
     t0 = time.perf_counter()
     snap = ctl.metajournal.load()
-    ctl.meta.replace(snap)
+    keys_blob = snap["blobs"].get(CHECKPOINT_KEYS)
+    if keys_blob is None:
+        ctl.meta.replace(snap)
+    else:
+        # a checkpoint load was decided, and its keys not yet written row by row (the
+        # decision wiped every other key): they come from its metadata, then are written
+        gen_base, packed = codec.unpackb(keys_blob)
+        decided = codec.unpackb(packed)
+        ctl.meta.replace(decided, gen_base)
+        ctl.kv.checkpoint_keys = (decided, gen_base)
+        ctl.kv.journal_checkpoint_keys()
+        snap = {**snap, "partitions": decided["partitions"]}
     for rid, reply in snap.get("answered") or ():
         # a copy of a request the last incarnation acted on, resent because its reply was
         # lost with that process, gets the recorded reply (wire.rpc's reply cache)

@@ -19,7 +19,7 @@ from ..journal.publish import Publication, check_publish_target, dump_lock, reco
 from ..errors import (CheckpointBusyError, ControllerRecoveringError, DumpFormatError,
                       DumpNotFoundError, RestorePendingError, TqtxError)
 from ..client.fence import FENCE_ATTEMPTS, fence_pause
-from ..client.gcpause import gc_paused
+from ..process.gcpause import gc_paused
 from ..journal.dump import DumpJournal
 from ..arguments.table import check_snapshot_names
 from ..plan import checkpoint_save_requests
@@ -48,7 +48,7 @@ def _write(path, data: bytes) -> dict:
     return {"size": len(data), "crc32": fmt.checksum(data)}
 
 
-@gc_paused  # per-row objects, no cycles (see tqtx.client.gcpause)
+@gc_paused  # per-row objects, no cycles (see tqtx.process.gcpause)
 def save(client, ckpt_dir: str, *, metadata: dict | None = None,
          include_storage: bool = True) -> dict:
     """See :func:`tqtx.save_checkpoint`."""
@@ -198,7 +198,7 @@ def _expected_rows(path: str, entries, idents: dict | None) -> list | None:
     return out
 
 
-@gc_paused  # the metadata of every key, decoded: no cycles (see tqtx.client.gcpause)
+@gc_paused  # the metadata of every key, decoded: no cycles (see tqtx.process.gcpause)
 def load(client, ckpt_dir: str) -> dict:
     """See :func:`tqtx.load_checkpoint`."""
     t0 = time.perf_counter()

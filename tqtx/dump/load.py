@@ -17,7 +17,7 @@ from ..layout import paths
 from .. import format as fmt
 from .. import states as st
 from ..errors import DumpNotFoundError, PeerTimeoutError, RestorePendingError
-from ..client.gcpause import gc_paused
+from ..process.gcpause import gc_paused
 from ..journal.dump import DumpJournal
 from ..layout.paths import controller_journal_path, controller_running
 from ..plan import BeginRow, LoadItem
@@ -110,7 +110,7 @@ def _finish(client, rid: str, *, commit: bool, cancel: bool = False, reason: str
 
 
 @gc_paused  # per-row lists and dicts, no cycles: a full collection here walked torch's
-#             objects (≈0.2 s inside a process's first 256 MiB restore; see tqtx.client.gcpause)
+#             objects (≈0.2 s inside a process's first 256 MiB restore; see tqtx.process.gcpause)
 def load_data_by_key(client, dump_dir: str, *, partition_id: str | None = None,
                      via: str = "units") -> dict:
     """See :func:`tqtx.load_data_by_key`."""

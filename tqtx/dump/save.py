@@ -18,7 +18,7 @@ from .. import states as st
 from ..client.fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..client.get_path import read_rows
 from ..errors import StaleRowsError
-from ..client.gcpause import gc_paused
+from ..process.gcpause import gc_paused
 from ..journal.dump import DumpJournal
 from ..arguments.table import DUMP_KEYS, check_keys
 from ..arguments.kinds import check_utf8
@@ -132,7 +132,7 @@ def check_no_reader(client, journal: DumpJournal, dump_dir: str) -> None:
         settle_reader(client, journal, dump_dir, row, action="a dump replacing it")
 
 
-@gc_paused  # per-row objects, no cycles (see tqtx.client.gcpause)
+@gc_paused  # per-row objects, no cycles (see tqtx.process.gcpause)
 def dump_data_by_key(client, dump_dir: str, keys, partition_id: str, *, via: str = "units",
                      block: bool = True):
     """See :func:`tqtx.dump_data_by_key`."""

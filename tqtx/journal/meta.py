@@ -62,6 +62,9 @@ _NEXT_INDEX = "next_index"
 CHECKPOINT_LOAD = "checkpoint_load"  # marker: a load_checkpoint decided, units switching
 CHECKPOINT_GEN_BASE = "checkpoint_gen_base"  # marker: that load's rows' generation base
 CHECKPOINT_PLAN = "checkpoint_plan"  # blob: that load's read plan per unit (msgpack)
+# blob: the keys of the checkpoint load decided last, as ``packb([gen_base, metadata])``
+# (the checkpoint's controller file), until they are written to meta_keys row by row
+CHECKPOINT_KEYS = "checkpoint_keys"
 _SET_BLOB = ("INSERT INTO meta_blobs (name, value) VALUES (?, ?) "
              "ON CONFLICT (name) DO UPDATE SET value = excluded.value")
 ROW_LOG_UNITS = "row_log_units"  # marker: the units logged their rows; how many there were
