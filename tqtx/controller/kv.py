@@ -420,6 +420,7 @@ class KVRequests:
         return {"ok": True}
 
     # ---------------------------------------------------------------- checkpoint
+    @gc_paused  # a row list per key, no cycles
     def checkpoint_snapshot(self, body, req):
         """The metadata a checkpoint saves, refused while a restore is unresolved: packed as
         the checkpoint's controller file (``metadata_packed``: the client writes it as is)
