@@ -10,7 +10,7 @@ from tqtx.controller.kv import KVRequests
 from tqtx.controller.metadata import Metadata
 from tqtx.errors import JournalWriteError
 from tqtx.journal.controller import ControllerJournal
-from tqtx.journal.meta import CHECKPOINT_KEYS, MetaChange, MetaJournal
+from tqtx.journal.meta import CHECKPOINT_KEYS, MetaChange, MetaJournal, buffer_summary
 from tqtx.wire import codec
 
 SCHEMA = {"a": {"kind": "tensor", "dtype": "int64", "shape": [2], "ndim": 1}}
@@ -55,6 +55,10 @@ def rig(tmp_path):
             mj.close()
 
 
+def mj_engine(kv: KVRequests):
+    return kv.journal.engine
+
+
 def _keys(mj: MetaJournal) -> dict:
     return {row[0]: tuple(row[1:]) for part in mj.load()["partitions"].values() for row in part["rows"]}
 
@@ -71,6 +75,8 @@ def test_the_decision_holds_the_keys_as_one_blob_written_row_by_row_after_the_re
     gen_base, packed = codec.unpackb(decided["blobs"][CHECKPOINT_KEYS])
     assert codec.unpackb(packed) == CHECKPOINT
     assert kv.meta.gens == {0: gen_base, 3: gen_base + 3, 4: gen_base + 4}
+    summary = [{"partition_id": "p", "keys": 3, "lost_rows": 1}]
+    assert buffer_summary(mj_engine(kv)) == summary  # journal show, from the blob
     loop.run()
     written = mj.load()
     assert CHECKPOINT_KEYS not in written["blobs"] and kv.checkpoint_keys is None
@@ -78,6 +84,7 @@ def test_the_decision_holds_the_keys_as_one_blob_written_row_by_row_after_the_re
                          "k1": (3, ["a"], {}, None, gen_base + 3),
                          "k2": (4, ["a"], {}, 1, gen_base + 4)}
     assert written["partitions"]["p"]["schema"] == SCHEMA
+    assert buffer_summary(mj_engine(kv)) == summary
 
 
 def test_keys_whose_write_failed_are_written_before_the_next_change_of_keys(rig):

@@ -177,11 +177,19 @@ def _upsert_rows(executemany, rows: list) -> None:
 
 
 def buffer_summary(engine: Engine) -> list[dict]:
-    """Per partition: journaled keys and lost rows (``journal show``)."""
+    """Per partition: journaled keys and lost rows (``journal show``); the keys of a
+    checkpoint load not yet written row by row are counted from its blob."""
     with engine.connect() as conn:
         rows = conn.exec_driver_sql(
             "SELECT partition_id, count(*), count(lost_unit) FROM meta_keys "
             "GROUP BY partition_id ORDER BY partition_id").fetchall()
+        blob = conn.exec_driver_sql("SELECT value FROM meta_blobs WHERE name = ?",
+                                    (CHECKPOINT_KEYS,)).fetchone()
+    if blob is not None:  # then meta_keys holds no other key (KVRequests.journal_meta)
+        parts = codec.unpackb(codec.unpackb(blob[0])[1])["partitions"]
+        rows = [(pid, len(data["rows"]), sum(len(r) > 4 and r[4] is not None
+                                             for r in data["rows"]))
+                for pid, data in sorted(parts.items()) if data["rows"]]
     return [{"partition_id": pid, "keys": keys, "lost_rows": lost} for pid, keys, lost in rows]
 
 
