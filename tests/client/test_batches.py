@@ -32,9 +32,9 @@ def test_direct_and_public_agree(n):
 
 
 def test_this_tensordict_takes_the_direct_constructor():
-    assert batches.direct_usable()
+    assert batches.batch.usable()
     batches.batch({"x": torch.zeros(2)}, 2)
-    assert batches._make is batches._direct
+    assert batches.batch.taken is True
 
 
 def test_a_column_of_another_length_is_named_as_the_public_call_names_it():
@@ -45,11 +45,21 @@ def test_a_column_of_another_length_is_named_as_the_public_call_names_it():
 def test_without_the_internal_constructor_the_public_call_is_used(monkeypatch):
     def broken(columns, n):
         raise TypeError("this tensordict's constructor takes other arguments")
-    monkeypatch.setattr(batches, "_direct", broken)
-    monkeypatch.setattr(batches, "_make", None)
-    assert not batches.direct_usable()
+    monkeypatch.setattr(batches.batch, "direct", broken)
+    monkeypatch.setattr(batches.batch, "taken", None)
+    assert not batches.batch.usable()
     td = batches.batch({"x": torch.arange(3.0)}, 3)
-    assert batches._make is batches.public and td["x"].tolist() == [0.0, 1.0, 2.0]
+    assert batches.batch.taken is False and td["x"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_direct_constructor_that_gives_another_result_is_not_taken(monkeypatch):
+    """The first-use check compares results, not only that the call succeeds."""
+    def other(columns, n):
+        return batches.public({k: v.clone() for k, v in columns.items()}, n)
+    monkeypatch.setattr(batches.batch, "direct", other)
+    monkeypatch.setattr(batches.batch, "taken", None)
+    cols = {"x": torch.arange(3.0)}
+    assert batches.batch(cols, 3)["x"] is cols["x"] and batches.batch.taken is False
 
 
 def test_a_one_row_get_result_in_transferqueue_layout():

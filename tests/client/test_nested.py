@@ -27,17 +27,17 @@ def test_direct_and_public_agree(lengths, rest):
 
 
 def test_this_torch_takes_the_direct_constructor():
-    assert nested.direct_usable()
+    assert nested.jagged.usable()
     nested.jagged(torch.zeros(2), torch.tensor([0, 2]), [2])
-    assert nested._make is nested._direct
+    assert nested.jagged.taken is True
 
 
 def test_without_the_internal_constructor_the_public_call_is_used(monkeypatch):
     def broken(values, offsets, lengths):
         raise TypeError("this torch's constructor takes other arguments")
-    monkeypatch.setattr(nested, "_direct", broken)
-    monkeypatch.setattr(nested, "_make", None)
-    assert not nested.direct_usable()
+    monkeypatch.setattr(nested.jagged, "direct", broken)
+    monkeypatch.setattr(nested.jagged, "taken", None)
+    assert not nested.jagged.usable()
     nt = nested.jagged(torch.arange(3.0), torch.tensor([0, 1, 3]), [1, 2])
-    assert nested._make is nested.public
+    assert nested.jagged.taken is False
     assert [x.tolist() for x in nt.unbind()] == [[0.0], [1.0, 2.0]]

@@ -8,12 +8,14 @@ spends building its result. ``TensorDict._new_unsafe`` makes the same object fro
 columns without those checks. It is tensordict's internal API, so it is used only after a
 check at first use that it gives what ``set`` gives on this tensordict (same class, batch
 size, device, names, lock state and the very column objects, in order); otherwise, or on
-any error, the public calls are used.
+any error, the public calls are used (:class:`~tqtx.client.shortcut.Shortcut`).
 """
 from __future__ import annotations
 
 import torch
 from tensordict import NonTensorStack, TensorDict
+
+from .shortcut import Shortcut
 
 _STATE = ("_device", "_batch_size", "_td_dim_names", "_is_shared", "_is_memmap", "_is_locked")
 
@@ -27,6 +29,9 @@ def public(columns: dict, n: int) -> TensorDict:
 
 
 def _direct(columns: dict, n: int) -> TensorDict:
+    # a column of another length is the public call's to name
+    if not all(c.size(0) == n for c in columns.values()):
+        raise ValueError("a column of another length")
     return TensorDict._new_unsafe(columns, batch_size=torch.Size([n]), nested=False)
 
 
@@ -37,32 +42,15 @@ def _same(a: TensorDict, b: TensorDict, columns: dict) -> bool:
                     for k, v in columns.items()))
 
 
-def direct_usable() -> bool:
-    """Whether the direct constructor gives, on this tensordict, what ``set`` gives."""
-    try:
-        columns = {"dense": torch.zeros(3, 2), "scalars": torch.zeros(3),
-                   "jagged": torch.nested.nested_tensor(
-                       [torch.zeros(1), torch.zeros(4), torch.zeros(2)], layout=torch.jagged),
-                   "objects": NonTensorStack("a", {"b": 1}, None)}
-        return _same(_direct(dict(columns), 3), public(columns, 3), columns)
-    except Exception:
-        return False
+def _agree(direct, public_call) -> bool:
+    """Whether ``direct`` gives, on this tensordict, what ``set`` gives."""
+    columns = {"dense": torch.zeros(3, 2), "scalars": torch.zeros(3),
+               "jagged": torch.nested.nested_tensor(
+                   [torch.zeros(1), torch.zeros(4), torch.zeros(2)], layout=torch.jagged),
+               "objects": NonTensorStack("a", {"b": 1}, None)}
+    return _same(direct(dict(columns), 3), public_call(columns, 3), columns)
 
 
-_make = None  # the constructor in use, chosen at the first call
-
-
-def batch(columns: dict, n: int) -> TensorDict:
-    """A TensorDict of ``n`` rows holding ``columns`` (field -> a column of ``n`` rows that
-    the caller built: a tensor, nested tensor or NonTensorStack), in their order."""
-    global _make
-    if _make is None:
-        _make = _direct if direct_usable() else public
-    if _make is _direct:
-        try:
-            # a column of another length is the public call's to name
-            if all(c.size(0) == n for c in columns.values()):
-                return _direct(columns, n)
-        except Exception:
-            pass  # the public calls then succeed or raise the error the caller should see
-    return public(columns, n)
+# A TensorDict of ``n`` rows holding ``columns`` (field -> a column of ``n`` rows that the
+# caller built: a tensor, nested tensor or NonTensorStack), in their order.
+batch = Shortcut(_direct, public, _agree)

@@ -9,13 +9,15 @@ TransferQueue's own results, copies, are no views. :func:`jagged` calls the cons
 that op ends in, with the same metadata. It is torch's internal API, so it is
 used only after a check at first use that it gives what the public call gives on this torch
 (type, shape, rows, bounds, padding, shared memory); otherwise, or on any error, the public
-call is used.
+call is used (:class:`~tqtx.client.shortcut.Shortcut`).
 """
 from __future__ import annotations
 
 import inspect
 
 import torch
+
+from .shortcut import Shortcut
 
 
 def _seqlen_args() -> set:
@@ -53,32 +55,16 @@ def _same(a: torch.Tensor, b: torch.Tensor, values: torch.Tensor) -> bool:
                             torch.nested.to_padded_tensor(b, 0.0)))
 
 
-def direct_usable() -> bool:
-    """Whether the direct constructor gives, on this torch, what the public call gives."""
-    try:
-        values = torch.arange(12, dtype=torch.float32).reshape(6, 2)
-        offsets = torch.tensor([0, 1, 1, 4, 6])
-        lengths = [1, 0, 3, 2]
-        return _same(_direct(values, offsets, lengths), public(values, offsets, lengths),
-                     values)
-    except Exception:
-        return False
+def _agree(direct, public_call) -> bool:
+    """Whether ``direct`` gives, on this torch, what the public call gives."""
+    values = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    offsets = torch.tensor([0, 1, 1, 4, 6])
+    lengths = [1, 0, 3, 2]
+    return bool(_SEQLEN_ARGS) and _same(direct(values, offsets, lengths),
+                                        public_call(values, offsets, lengths), values)
 
 
-_make = None  # the constructor in use, chosen at the first call
-
-
-def jagged(values: torch.Tensor, offsets: torch.Tensor, lengths) -> torch.Tensor:
-    """A jagged nested tensor over ``values`` (no copy; rows split at ``offsets``) that
-    knows its shortest and longest row (``lengths``), as ``torch.nested.as_nested_tensor``
-    makes them: without them ``to_padded_tensor`` pads every row to the length of all
-    values together."""
-    global _make
-    if _make is None:
-        _make = _direct if direct_usable() and _SEQLEN_ARGS else public
-    if _make is _direct:
-        try:
-            return _direct(values, offsets, lengths)
-        except Exception:
-            pass  # the public call then succeeds or raises the error the caller should see
-    return public(values, offsets, lengths)
+# A jagged nested tensor over ``values`` (no copy; rows split at ``offsets``) that knows
+# its shortest and longest row (``lengths``), as ``torch.nested.as_nested_tensor`` makes
+# them: without them ``to_padded_tensor`` pads every row to the length of all values.
+jagged = Shortcut(_direct, public, _agree)
