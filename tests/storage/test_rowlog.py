@@ -341,6 +341,35 @@ def test_sync_a_loop_turn_writes_and_answers_its_requests_after_one_shared_fsync
         _close(again)
 
 
+def test_sync_a_read_while_changes_are_not_durable_is_answered_after_their_fsync(tmp_path):
+    """A row overwritten in place is read from its put on: with sync a GET_ROWS answered
+    while the log holds changes no fsync covers waits for that fsync (a reader shown the
+    new row must not find the old one after a power loss); with everything durable it is
+    answered at once."""
+    from tqtx.wire.codec import decode
+    unit = _unit(tmp_path, sync=True)
+    sent: list = []
+    unit.server._send = lambda ident, frames: sent.append(decode(frames)["result"])
+    unit.server.current_ident = b"reader"
+    get = unit.server.handlers["GET_ROWS"][0]
+    body = {"indexes": [0], "gens": [5], "fields": ["a"]}
+    request = {"op": "GET_ROWS", "rid": "r1", "body": body}
+    try:
+        _put(unit, [[0, {"a": _tensor(1)}]], [5])
+        assert not unit.rowlog.undurable
+        assert isinstance(get(body, request), dict)  # durable: answered at once
+        fsyncs = unit.rowlog.fsyncs
+        unit.server.handlers["PUT_ROWS"][0]({"rows": [[0, {"a": _tensor(2)}]], "gens": [5]},
+                                            None)  # overwritten in place, not yet fsynced
+        assert unit.rowlog.undurable
+        assert type(get(body, request)).__name__ == "Deferred" and sent == []
+        _loop_turn(unit)  # the end of the turn: one fsync, then the reply
+        assert unit.rowlog.fsyncs == fsyncs + 1 and len(sent) == 1
+        assert not unit.rowlog.undurable
+    finally:
+        _close(unit)
+
+
 def test_a_clean_close_removes_only_the_logs_files(tmp_path):
     unit = _unit(tmp_path)
     _put(unit, [[0, {"a": _tensor(1)}]], [1])

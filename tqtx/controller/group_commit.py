@@ -3,12 +3,14 @@ journal is answered once that change is fsynced, and the requests of one loop tu
 that fsync.
 
 Each change is committed at once without an fsync (``synchronous=NORMAL``: a crash of the
-process loses nothing, the other requests see it at once); a request whose handler left
-the journal with changes not yet durable gets a deferred reply. At the end of the loop turn
-(every request read in it handled) one durable cut (:meth:`MetaJournal.cut`: a commit under
-``synchronous=FULL``, which fsyncs the WAL holding every earlier commit) makes them all
-durable, then their replies go; if the cut fails, each gets its error. With one writer this
-is the one fsync per put it always was; with many, one per turn instead of one per request.
+process loses nothing, the other requests see it at once); a request answered while the
+journal holds changes not yet durable gets a deferred reply -- a read too, since it may
+have seen them: a key a reader was shown must not vanish in a power loss, nor a cleared
+one come back. At the end of the loop turn (every request read in it handled) one durable
+cut (:meth:`MetaJournal.cut`: a commit under ``synchronous=FULL``, which fsyncs the WAL
+holding every earlier commit) makes them all durable, then their replies go; if the cut
+fails, each gets its error. With one writer this is the one fsync per put it always was;
+with many, one per turn instead of one per request.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ class GroupCommit:
         server.turn_hooks.append(self.cut)
 
     def wrap(self, fn: Callable) -> Callable:
-        """``fn`` (a mutating request handler) whose reply waits for the next cut when it
-        left changes in the journal that are not durable yet."""
+        """``fn`` (a request handler) whose reply waits for the next cut when the journal
+        holds changes that are not durable yet (its own, or ones it may have read)."""
         server, journal = self.server, self.metajournal
 
         def handler(body, req):

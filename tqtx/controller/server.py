@@ -100,7 +100,8 @@ class Controller:
         self.metajournal = MetaJournal(self.journal.engine, durability, flush_interval_s)
         if self.metajournal.cuts_wanted:
             self.server.turn_hooks.append(self._durable_cut)
-        # "sync": the requests of a loop turn share one fsync of what they journaled
+        # "sync": the requests of a loop turn share one fsync of what they journaled, and
+        # none is answered before it
         self.group_commit = (GroupCommit(self.server, self.metajournal)
                              if self.metajournal.group_commits else None)
         self.unit_peers = UnitPeers()
@@ -158,7 +159,7 @@ class Controller:
             ("PARTITIONS", dp.partitions, False),
             ("DATAPLANE_OPTIONS", dp.dataplane_options, True),
         ]:
-            if mutating and self.group_commit is not None:
+            if self.group_commit is not None:  # reads too: they may see undurable changes
                 fn = self.group_commit.wrap(fn)
             s.add(op, fn, mutating=mutating)
         # restore claims are counted per action: RESTORE_UNIT:claim / :staged / :failed

@@ -13,26 +13,23 @@ incarnation: the controller reconciles by it and drops rows no committed put acc
 The request loop only queues what a request changed (rows are never changed in place once
 stored, so they are encoded later); one writer thread encodes, appends and fsyncs, in queue
 order. With ``buffer`` it writes every half ``flush_interval_s`` and fsyncs every
-interval. With ``sync`` the reply of a request that stored rows is sent after the fsync
-that covers them: the loop itself writes and fsyncs at the end of its turn what the turn's
-requests queued, and answers them (they share that fsync; a handoff to the writer thread
-and back would cost two thread switches a put). The writer does it instead while it is
-busy or the log is failing; whoever writes holds the log's I/O lock, so the queue's order
-holds.
+interval. With ``sync`` the reply of a request that stored rows, or read while changes
+were not yet durable, is sent after the fsync that covers them: the loop itself writes and
+fsyncs at the end of its turn what the turn queued, and answers them (one fsync shared, no
+thread switch); the writer does it while busy or while the log is failing. Whoever writes
+holds the log's I/O lock, so the queue's order holds.
 
 Compaction frees the oldest file, one at a time, while the files hold more than 1.2x the
 live bytes (and ``COMPACT_SLACK`` more). The writer knows in which file each live row
-began (a row's first entry of its generation; later entries of that generation merge into
-it): the loop queues the live rows that began in the oldest file again, whole, and the
-marks in it the unit still remembers, as a batch like any other (so the queue's order
-holds: a row dropped or replaced before it is not in it), and once that batch is fsynced
-the oldest file holds nothing live and is deleted.
-Its drops and resets go with it: they only ever concern rows of files older still, which
-went before. So the disk never holds more than one file's live rows twice; no snapshot of
-the rows is taken, and puts and gets go on meanwhile. A checkpoint queues a cut: the
-writer seals the open segment there and fsyncs, and the files before it are hard-linked
-into the checkpoint (:meth:`RowLog.link`). A write that fails (a full disk) is cut off its
-file and retried every interval; meanwhile new rows are refused.
+began (a row's first entry of its generation); the loop queues the live rows that began in
+the oldest file again, whole, with the marks in it the unit still remembers, as a batch
+like any other (a row dropped or replaced before it is not in it); once that batch is
+fsynced the oldest file holds nothing live and is deleted, its drops and resets with it
+(they concern older files only). So the disk holds at most one file's live rows twice, and
+puts and gets go on meanwhile. A checkpoint queues a cut: the writer seals the open segment
+and fsyncs, and the files before it are hard-linked into the checkpoint
+(:meth:`RowLog.link`). A write that fails (a full disk) is cut off its file and retried
+every interval; meanwhile new rows are refused.
 """
 from __future__ import annotations
 
@@ -87,19 +84,17 @@ class RowLog:
         self._io = threading.Lock()  # held by whoever writes: the writer or the loop (sync)
         self._loop_syncs = False  # sync: the loop's turn hook writes (see sync_on_loop)
         self._wake = False  # the writer has something to do before its next turn
-        self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._stopped, self._thread = False, None
         self._call_soon: Callable = lambda fn: fn()
         # the writer's: the open segment, its number and size, sealed segments' fds not
         # yet fsynced, the log's bytes on disk
-        self._fd, self._number, self._size = -1, 0, 0
-        self._sealed: list[int] = []
-        self._disk = 0
+        self._fd, self._number, self._size, self._sealed, self._disk = -1, 0, 0, [], 0
         self._files = LogFiles()  # the writer's view of the files, for compaction
         self._failed_at = -COMPACT_SLACK  # the size of the files at the last failed compaction
         self._unsynced = self._dir_dirty = self._compacting = False
-        self.fsyncs = 0
-        self.compactions = 0
+        # batches queued that no fsync covers (under _cond); of them, written (under _io)
+        self._undurable = self._written = 0
+        self.fsyncs = self.compactions = 0
         self.error: BaseException | None = None  # the last failed write or fsync
 
     # ---------------------------------------------------------------- replay
@@ -172,6 +167,11 @@ class RowLog:
         """Changes not yet queued for the writer."""
         return bool(self._batch)
 
+    @property
+    def undurable(self) -> bool:
+        """Changes made that no fsync covers yet (loop thread)."""
+        return bool(self._batch) or self._undurable > 0
+
     def write(self) -> None:
         """Hand the changes of this request to the writer thread, in order (loop thread).
         Rows are never changed in place once stored, so the writer encodes them later."""
@@ -179,6 +179,7 @@ class RowLog:
         if batch:
             with self._cond:
                 self._queue.append(batch)
+                self._undurable += 1
                 if (self.sync and not self._loop_syncs) or len(self._queue) >= WAKE_AT:
                     self._wake = True
                     self._cond.notify()
@@ -342,6 +343,7 @@ class RowLog:
                 continue
             try:
                 self._append(item)
+                self._written += 1
                 self.error = None
             except Exception as exc:  # noqa: BLE001 - kept, reported, retried
                 self.error = exc
@@ -507,6 +509,9 @@ class RowLog:
             for fd in self._sealed:
                 os.close(fd)
             self._sealed, self._unsynced = [], False
+            with self._cond:
+                self._undurable -= self._written
+            self._written = 0
             if not on_loop:  # the loop never waits for a checkpoint linking the files
                 self._remove_dead()
             if self._dir_dirty:

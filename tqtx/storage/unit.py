@@ -59,6 +59,7 @@ IO_THREADS = 4
 # fsync: the controller's journal no longer names it, so a replay that finds it drops it).
 LOGGED_OPS = ("PUT_ROWS", "DROP_ROWS", "APPLY_STAGED", "APPLY_CHECKPOINT")
 SYNCED_OPS = ("PUT_ROWS", "APPLY_STAGED", "APPLY_CHECKPOINT")
+READ_OPS = ("GET_ROWS", "GET_INTO")  # with sync, answered once what they may read is durable
 
 
 def _start_all(pool: ThreadPoolExecutor, timeout: float = 10.0) -> bool:
@@ -161,6 +162,8 @@ class StorageUnit:
         ]:
             if self.rowlog is not None and op in LOGGED_OPS:
                 fn = self._logged(fn, stores=op in SYNCED_OPS)
+            elif self.rowlog is not None and self.rowlog.sync and op in READ_OPS:
+                fn = self._read_durable(fn)
             s.add(op, fn, mutating=mutating)
         m = self.metrics
         m.declare(totals=UNIT_TOTALS)
@@ -185,6 +188,21 @@ class StorageUnit:
                 return reply
             rowlog.write()
             if not sync or req is None or type(reply) is Deferred:
+                return reply
+            deferred = server.deferred(req, server.current_ident)
+            rowlog.reply_when_durable(deferred, reply)
+            return deferred
+        return handler
+
+    def _read_durable(self, fn):
+        """``fn`` (a read) whose reply waits, with ``sync``, for the fsync of every change
+        made before it: a row overwritten in place is read from its put on, and a reader
+        shown it must not see the old row again after a power loss."""
+        rowlog, server = self.rowlog, self.server
+
+        def handler(body, req):
+            reply = fn(body, req)
+            if req is None or type(reply) is Deferred or not rowlog.undurable:
                 return reply
             deferred = server.deferred(req, server.current_ident)
             rowlog.reply_when_durable(deferred, reply)
