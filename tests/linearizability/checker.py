@@ -23,7 +23,7 @@ A ``restart`` (of the whole job: every server killed at its invocation and start
 by its completion) is neither: it bounds the indeterminate ``put`` and ``clear`` ops that
 returned before it. Once such an op has returned, its client sends nothing more, and every
 process that could still hold it dies at the kill, so it took effect by the restart's
-completion or never. (Restores are not bounded: a journaled restore is rolled forward
+completion or never: an optional write placed before that completion. (Restores are not bounded: a journaled restore is rolled forward
 later.) Without the bound, a run with many kills carries every such op to the end of the
 history and the search outgrows its budget.
 
@@ -188,10 +188,13 @@ def _register_events(history: list[Op]) -> dict[Register, list[Event]]:
                     if op.outcome == "fail":
                         continue
                     definite = op.outcome == "ok" and op.complete is not None
+                    end = op.complete if definite else _effect_bound(op, restarts)
+                    # bounded by a restart, an indeterminate write took effect by then or
+                    # never: optional (the search must place every event of finite end)
+                    optional = op.optional or (not definite and end != float("inf"))
                     out.setdefault(reg, []).append(Event(
-                        op=op, write=value, read=None, optional=op.optional,
-                        start=op.invoke,
-                        end=op.complete if definite else _effect_bound(op, restarts)))
+                        op=op, write=value, read=None, optional=optional,
+                        start=op.invoke, end=end))
                 elif op.complete is not None:
                     out.setdefault(reg, []).append(Event(
                         op=op, write=None, read=value, optional=False, start=op.invoke,

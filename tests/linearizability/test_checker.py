@@ -63,6 +63,17 @@ def test_an_indeterminate_put_is_revealed_by_the_restart_after_it():
     assert check(h).ok, check(h).summary()
 
 
+def test_an_indeterminate_put_may_never_have_taken_effect_before_the_restart_after_it():
+    # its PUT_ROWS died with a unit, say: no read after the restart shows it, ever
+    h = [put(0, 1, {A: "v1"}), put(2, 3, {A: "v2"}, outcome="info"),
+         restart(6, 7), get(8, 9, {A: "v1"}), get(10, 11, {A: "v1"})]
+    assert check(h).ok, check(h).summary()
+    # nor a clear: the key is still there
+    h = [put(0, 1, {A: "v1"}), op("clear", 2, 3, {A: ABSENT}, outcome="info"),
+         restart(6, 7), get(8, 9, {A: "v1"})]
+    assert check(h).ok, check(h).summary()
+
+
 def test_an_indeterminate_put_cannot_take_effect_after_the_restart_that_followed_it():
     # unbounded, v2 could appear between the reads after the restart; bounded, it cannot
     h = [put(0, 1, {A: "v1"}), put(2, 3, {A: "v2"}, outcome="info"),
