@@ -13,6 +13,8 @@ from tqtx.journal.controller import ControllerJournal
 from tqtx.journal.meta import CHECKPOINT_KEYS, MetaChange, MetaJournal, buffer_summary
 from tqtx.wire import codec
 
+from after_reply import AfterReply
+
 SCHEMA = {"a": {"kind": "tensor", "dtype": "int64", "shape": [2], "ndim": 1}}
 CHECKPOINT = {"next_index": 5, "partitions": {"p": {"schema": SCHEMA, "rows": [
     ["k0", 0, ["a"], {"step": 1}, None, 17], ["k1", 3, ["a"], {}, None, 18],
@@ -24,26 +26,11 @@ class _NoRestores:
         pass
 
 
-class _Loop:
-    """The server loop's after_reply: queued by the handler, run once it has returned."""
-
-    def __init__(self):
-        self.queued = []
-
-    def after_reply(self, fn):
-        self.queued.append(fn)
-
-    def run(self):
-        fns, self.queued = self.queued, []
-        for fn in fns:
-            fn()
-
-
 @pytest.fixture
 def rig(tmp_path):
     with ControllerJournal(tmp_path / "state") as cj:
         mj = MetaJournal(cj.engine, "controller")
-        loop = _Loop()
+        loop = AfterReply()
         meta = Metadata(1)
         kv = KVRequests(meta=meta, journal=cj, metajournal=mj, units={}, num_units=2,
                         incarnation=1, restores=_NoRestores(),

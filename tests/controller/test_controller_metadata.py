@@ -7,25 +7,12 @@ from tqtx.controller.kv import HeldTags, KVRequests
 from tqtx.controller.metadata import Metadata
 from tqtx.wire.columns import unpack_int64
 
-
-class _AfterReply:
-    """The server's after_reply as its loop runs it: once the handler has returned."""
-
-    def __init__(self):
-        self.queued = []
-
-    def after_reply(self, fn):
-        self.queued.append(fn)
-
-    def run(self):
-        fns, self.queued = self.queued, []
-        for fn in fns:
-            fn()
+from after_reply import AfterReply
 
 
 class _Describer(KVRequests):
     def __init__(self, meta: Metadata):
-        self.server = _AfterReply()
+        self.server = AfterReply()
         super().__init__(meta=meta, journal=None, metajournal=None, units={}, num_units=4,
                          incarnation=0, restores=None, require_units=None, topology=lambda: 7,
                          after_reply=self.server.after_reply)

@@ -27,6 +27,7 @@ from tqtx.controller.group_commit import GroupCommit
 from tqtx.journal.controller import ControllerJournal
 from tqtx.journal.meta import MetaChange, MetaJournal
 from tqtx.wire import codec
+from tqtx.wire.rpc import Server
 
 _CUT_AFTER = {2, 3, 9, 16, 17, 25, 33}  # irregular; 3 after 2: a cut covering one commit
 _WAL_HEADER, _FRAME_HEADER = 32, 24
@@ -225,6 +226,7 @@ def test_sync_answers_a_request_only_once_a_power_loss_keeps_it(rec, tmp_path):
     server = SimpleNamespace(turn_hooks=[], current_ident=b"client", deferred=(
         lambda req, ident: SimpleNamespace(reply_on_loop=lambda result=None, error=None:
                                            sent.append((req, result, error, len(rec.images))))))
+    server.hold = lambda req, reply, until: Server.hold(server, req, reply, until)
     group = GroupCommit(server, mj)
 
     def put(i, req):

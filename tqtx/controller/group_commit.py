@@ -38,12 +38,11 @@ class GroupCommit:
 
         def handler(body, req):
             reply = fn(body, req)
-            if req is None or type(reply) is Deferred or not journal.dirty:
-                return reply
-            deferred = server.deferred(req, server.current_ident)
-            self._waiting.append((deferred, reply))
-            return deferred
+            return server.hold(req, reply, self._wait) if journal.dirty else reply
         return handler
+
+    def _wait(self, deferred: Deferred, reply) -> None:
+        self._waiting.append((deferred, reply))
 
     def cut(self) -> None:
         """The loop's turn hook: one fsync for every change committed so far, then the

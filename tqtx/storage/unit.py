@@ -32,7 +32,7 @@ from ..format.rowlog import MARK_RESTORE
 from ..placement.probe import node_name, unit_probe
 from ..wire import shm
 from ..wire.peer import Peer
-from ..wire.rpc import Deferred, Server
+from ..wire.rpc import Server
 from ..wire.values import forget_shapes
 from .attach import UnitAttachment
 from .checkpoints import UnitCheckpoints
@@ -187,11 +187,7 @@ class StorageUnit:
             if not rowlog.dirty:
                 return reply
             rowlog.write()
-            if not sync or req is None or type(reply) is Deferred:
-                return reply
-            deferred = server.deferred(req, server.current_ident)
-            rowlog.reply_when_durable(deferred, reply)
-            return deferred
+            return server.hold(req, reply, rowlog.reply_when_durable) if sync else reply
         return handler
 
     def _read_durable(self, fn):
@@ -202,11 +198,8 @@ class StorageUnit:
 
         def handler(body, req):
             reply = fn(body, req)
-            if req is None or type(reply) is Deferred or not rowlog.undurable:
-                return reply
-            deferred = server.deferred(req, server.current_ident)
-            rowlog.reply_when_durable(deferred, reply)
-            return deferred
+            return server.hold(req, reply, rowlog.reply_when_durable) if rowlog.undurable \
+                else reply
         return handler
 
     def write_log(self) -> None:

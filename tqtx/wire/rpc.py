@@ -359,6 +359,16 @@ class Server:
         op = request["op"]
         return Deferred(self, ident, str(request.get("rid") or ""), op, self.handlers[op][1])
 
+    def hold(self, request: dict | None, reply, until: Callable[[Deferred, object], None]):
+        """A handler's ``reply`` to the current ``request`` left to ``until(deferred,
+        reply)``, which sends it later; returned as is when already deferred, or made for
+        a call outside a request (``request`` None)."""
+        if request is None or type(reply) is Deferred:
+            return reply
+        deferred = self.deferred(request, self.current_ident)
+        until(deferred, reply)
+        return deferred
+
     def serve_forever(self, poll_ms: int = 200) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
