@@ -161,8 +161,7 @@ class KVRequests:
         if self.checkpoint_keys is not None:
             if change.replace:
                 self.checkpoint_keys = None  # the blob goes with every other row
-            elif (change.rows or change.deleted or change.schemas or change.dropped
-                  or change.next_index is not None):
+            elif change.changes_keys():
                 self.journal_checkpoint_keys()
         faults.hit(f"controller.meta.{op}.before_commit")
         self.metajournal.write(change)

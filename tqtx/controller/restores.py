@@ -271,8 +271,7 @@ class RestoreCoordinator:
                 units=st.unit_states(rec), partition_id=plan.partition_id)
         change, schema = self.meta.plan_publish(plan.partition_id, plan.rows, plan.field_schema)
         # The published metadata and the end of the restore are one journal transaction.
-        if self.store_plans:
-            self.before_publish()
+        self.before_publish()
         faults.hit("controller.meta.restore_publish.before_commit")
         done = self.journal.finish_restore(rid, st.COMMITTED, None,
                                            meta_change=change if self.store_plans else None)

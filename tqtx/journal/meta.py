@@ -104,9 +104,13 @@ class MetaChange:
     blobs: dict = field(default_factory=dict)    # name -> bytes (None: remove)
     answered: tuple[str, bytes] | None = None
 
+    def changes_keys(self) -> bool:
+        """Whether it writes keys, schemas or the next index (a replace aside)."""
+        return bool(self.rows or self.deleted or self.schemas or self.dropped
+                    or self.next_index is not None)
+
     def __bool__(self) -> bool:
-        return bool(self.rows or self.deleted or self.schemas or self.dropped or self.replace
-                    or self.next_index is not None or self.markers or self.blobs
+        return bool(self.changes_keys() or self.replace or self.markers or self.blobs
                     or self.answered)
 
 
