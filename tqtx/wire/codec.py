@@ -30,6 +30,8 @@ ZMQ_RECV_BATCH = 8192
 INLINE_LIMIT = ZMQ_RECV_BATCH
 MAX_HEADER_BYTES = 1 << 30
 GC_PAUSE_BYTES = 1 << 18
+# The first buffer of the Packer an encode uses for tensor extensions (it grows as needed).
+_EXT_BUFFER = 4096
 
 
 class CodecError(ValueError):
@@ -39,7 +41,11 @@ class CodecError(ValueError):
 def encode(obj) -> list:
     """Encode ``obj`` into ``[header, *frames]``; frames are the tensors' own buffers."""
     frames: list = []
-    pack = msgpack.Packer(use_bin_type=True).pack  # one per message: packb makes one per call
+    # One per message (packb makes one per call), for the extensions' small payloads: a
+    # Packer starts with a 1 MiB buffer unless told otherwise, and two such buffers freed
+    # together leave glibc's heap top past its trim threshold, so every message paid three
+    # brk calls and the page faults of touching the buffer again (~28 us).
+    pack = msgpack.Packer(use_bin_type=True, buf_size=_EXT_BUFFER).pack
     ext = msgpack.ExtType
 
     def default(value):
