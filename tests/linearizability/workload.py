@@ -207,18 +207,26 @@ def kill_nemesis(seed: int, *, every: tuple[float, float] = (6.0, 12.0)):
     return nemesis
 
 
-def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0)):
+def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0), want: int = 18):
     """A nemesis that, until shortly before ``end``, kills (SIGKILL) every unit and the
     controller at random intervals and starts them all again on the same state dir (the
     controller on its port). Returns each kill as a ``restart`` op (no loss: with durability
-    ``sync`` every acknowledged write survives) and a description of each kill."""
+    ``sync`` every acknowledged write survives) and a description of each kill. The pause
+    before a kill is drawn from ``every``, shortened (to 0.5 s at least) while slow restarts
+    of a loaded machine would leave fewer than ``want`` kills in the time left."""
     rng = random.Random(seed)
 
     def nemesis(dep, end: float):
         ops: list[Op] = []
         described: list[str] = []
+        restart = 0.0  # how long the last kill took to come back
         while time.monotonic() + every[1] + 8 < end:
-            time.sleep(rng.uniform(*every))   # the schedule is random by design
+            pause = rng.uniform(*every)   # the schedule is random by design
+            left = want - len(ops)
+            if left > 0:
+                budget = (end - every[1] - 8 - time.monotonic()) / left - restart
+                pause = max(0.5, min(pause, budget))
+            time.sleep(pause)
             t0 = time.monotonic()
             units = [dep.procs[f"unit {uid}"] for uid in range(dep.num_units)]
             for proc in units:
@@ -228,6 +236,7 @@ def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0)):
                 proc.wait(10)
                 dep.restart_unit(uid)
             t1 = time.monotonic()
+            restart = t1 - t0
             ops.append(Op(process="nemesis", kind=RESTART, invoke=t0, complete=t1,
                           outcome="ok"))
             described.append(f"job killed ({dep.num_units + 1} processes) and back in "
