@@ -263,8 +263,8 @@ for msg in (reply, request):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RUSAGE_THREAD, glibc")
 def test_encoding_does_not_churn_the_heap():
     """Encoding small messages in a fresh process (a server's) touches no fresh page: two
-    Packers with 1 MiB buffers freed together made glibc hand its heap top back and fault
-    it in again on every message (two page faults and three brk calls each, ~28 us)."""
+    Packers with 1 MiB buffers freed together would make glibc hand its heap top back and
+    fault it in again on every message (two page faults and three brk calls each)."""
     out = subprocess.run([sys.executable, "-c", _CHURN_PROBE], capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     assert [int(x) < 200 for x in out] == [True, True], out

@@ -41,10 +41,10 @@ class CodecError(ValueError):
 def encode(obj) -> list:
     """Encode ``obj`` into ``[header, *frames]``; frames are the tensors' own buffers."""
     frames: list = []
-    # One per message (packb makes one per call), for the extensions' small payloads: a
+    # One per message (packb makes one per call), for the extensions' small payloads. A
     # Packer starts with a 1 MiB buffer unless told otherwise, and two such buffers freed
-    # together leave glibc's heap top past its trim threshold, so every message paid three
-    # brk calls and the page faults of touching the buffer again (~28 us).
+    # together would leave glibc's heap top past its trim threshold: every message would
+    # cost three brk calls and the page faults of touching the buffer again (~28 us).
     pack = msgpack.Packer(use_bin_type=True, buf_size=_EXT_BUFFER).pack
     ext = msgpack.ExtType
 
