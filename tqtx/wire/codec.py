@@ -30,8 +30,16 @@ ZMQ_RECV_BATCH = 8192
 INLINE_LIMIT = ZMQ_RECV_BATCH
 MAX_HEADER_BYTES = 1 << 30
 GC_PAUSE_BYTES = 1 << 18
-# The first buffer of the Packer an encode uses for tensor extensions (it grows as needed).
+# The first buffer of a Packer for an extension's payload (it grows as needed).
 _EXT_BUFFER = 4096
+
+
+def _ext_packer():
+    """A Packer's ``pack`` for extension payloads, made while the message's own Packer is
+    alive. A Packer starts with a 1 MiB buffer unless told otherwise, and two such buffers
+    freed together would leave glibc's heap top past its trim threshold: every message would
+    cost three brk calls and the page faults of touching the buffer again (~28 us)."""
+    return msgpack.Packer(use_bin_type=True, buf_size=_EXT_BUFFER).pack
 
 
 class CodecError(ValueError):
@@ -41,11 +49,7 @@ class CodecError(ValueError):
 def encode(obj) -> list:
     """Encode ``obj`` into ``[header, *frames]``; frames are the tensors' own buffers."""
     frames: list = []
-    # One per message (packb makes one per call), for the extensions' small payloads. A
-    # Packer starts with a 1 MiB buffer unless told otherwise, and two such buffers freed
-    # together would leave glibc's heap top past its trim threshold: every message would
-    # cost three brk calls and the page faults of touching the buffer again (~28 us).
-    pack = msgpack.Packer(use_bin_type=True, buf_size=_EXT_BUFFER).pack
+    pack = _ext_packer()  # one per message: packb makes one per call
     ext = msgpack.ExtType
 
     def default(value):
@@ -170,9 +174,8 @@ def decode(frames: list):
 
 def _packb_default(value):
     if isinstance(value, RawTensor):
-        return msgpack.ExtType(EXT_TENSOR_INLINE, msgpack.packb(
-            [value.dtype, list(value.shape), memoryview(value.data).tobytes()],
-            use_bin_type=True))
+        return msgpack.ExtType(EXT_TENSOR_INLINE, _ext_packer()(
+            [value.dtype, list(value.shape), memoryview(value.data).tobytes()]))
     if isinstance(value, TensorColumn):
         return value.rows
     if isinstance(value, (set, frozenset)):
