@@ -42,6 +42,7 @@ class RunResult:
     anomalies: list[str]                  # capture errors, worker failures
     nemesis: list[str] = field(default_factory=list)
     maintenance: int = 0
+    elapsed: float = 0.0                  # how long the clients ran
 
     def table(self) -> str:
         kinds = sorted(self.counts)
@@ -70,13 +71,20 @@ def put_reads(dep) -> int:
 
 
 def run(dep, workdir: Path, *, workers: int, seconds: float, seed: int, nemesis=None,
-        unblock: bool = False, timeout: float = 30.0, weights: dict | None = None) -> RunResult:
-    """Run ``workers`` clients for ``seconds`` against ``dep``; ``nemesis(dep, end)``, if
-    given, runs in this thread meanwhile and returns (unit-loss ops, descriptions).
-    ``weights``: how often each op kind is drawn (default ``workload_ops.WEIGHTS``)."""
+        unblock: bool = False, timeout: float = 30.0, weights: dict | None = None,
+        min_ok: dict | None = None, max_seconds: float | None = None) -> RunResult:
+    """Run ``workers`` clients for ``seconds`` against ``dep``; ``nemesis(dep, end, limit)``,
+    if given, runs in this thread meanwhile (until about ``end``, never past ``limit``, the
+    end of ``max_seconds``) and returns (unit-loss ops, descriptions).
+    ``weights``: how often each op kind is drawn (default ``workload_ops.WEIGHTS``).
+    ``min_ok``: the clients go on after ``seconds`` (without a nemesis, up to ``max_seconds``
+    in all) until they have that many successful ops of each kind: a loaded machine whose
+    restarts are slow still tests as much as a quiet one."""
     for sub in ("logs", "dumps", "ckpts"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
-    cfg = {"address": dep.address, "dir": str(workdir), "workers": workers, "seconds": seconds,
+    stop_file = workdir / "stop"
+    cfg = {"address": dep.address, "dir": str(workdir), "workers": workers,
+           "seconds": max(seconds, max_seconds or 0.0), "stop_file": str(stop_file),
            "seed": seed, "partitions": PARTITIONS, "keys_per_partition": KEYS_PER_PARTITION,
            "timeout": timeout, "grace": timeout + 30.0, "unblock": unblock,
            "weights": weights}
@@ -88,10 +96,15 @@ def run(dep, workdir: Path, *, workers: int, seconds: float, seed: int, nemesis=
                                 stdout=out, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL)
         extra_ops, described = [], []
+        start = time.monotonic()
         try:
             if nemesis is not None:
-                extra_ops, described = nemesis(dep, time.monotonic() + seconds)
-            proc.wait(timeout=seconds + cfg["grace"] + 60)
+                extra_ops, described = nemesis(dep, start + seconds, start + cfg["seconds"])
+            _wait_for_ops(workdir / "logs", extra_ops, min_ok, end=start + seconds,
+                          limit=start + cfg["seconds"], proc=proc)
+            stop_file.write_text("")
+            proc.wait(timeout=cfg["grace"] + 60)
+            elapsed = time.monotonic() - start
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -99,6 +112,7 @@ def run(dep, workdir: Path, *, workers: int, seconds: float, seed: int, nemesis=
     result = merge(workdir / "logs", KeySpace(PARTITIONS, KEYS_PER_PARTITION))
     result.history.extend(extra_ops)
     result.nemesis = described
+    result.elapsed = elapsed
     for op in extra_ops:
         result.counts.setdefault(op.kind, Counter())[op.outcome] += 1
     with open(workdir / "history.jsonl", "w") as f:  # for a re-check (load_history)
@@ -110,6 +124,21 @@ def run(dep, workdir: Path, *, workers: int, seconds: float, seed: int, nemesis=
     for fatal in sorted((workdir / "logs").glob("*.fatal")):
         result.anomalies.append(f"{fatal.stem}: {fatal.read_text()}")
     return result
+
+
+def _wait_for_ops(log_dir: Path, extra_ops: list, min_ok: dict | None, *, end: float,
+                  limit: float, proc) -> None:
+    """Wait until ``end``, then while the workers' logs (and ``extra_ops``) hold fewer
+    successful ops than ``min_ok`` asks for, until ``limit`` (or the workers' exit)."""
+    while time.monotonic() < end and proc.poll() is None:
+        time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+    while min_ok and time.monotonic() < limit and proc.poll() is None:
+        counts = merge(log_dir, KeySpace(PARTITIONS, KEYS_PER_PARTITION)).counts
+        for op in extra_ops:
+            counts.setdefault(op.kind, Counter())[op.outcome] += 1
+        if all(counts.get(k, Counter())["ok"] >= n for k, n in min_ok.items()):
+            return
+        time.sleep(2.0)
 
 
 def load_history(path: Path) -> list[Op]:
@@ -182,7 +211,7 @@ def kill_nemesis(seed: int, *, every: tuple[float, float] = (6.0, 12.0)):
     rng = random.Random(seed)
     space = KeySpace(PARTITIONS, KEYS_PER_PARTITION)
 
-    def nemesis(dep, end: float):
+    def nemesis(dep, end: float, limit: float):
         ops: list[Op] = []
         described: list[str] = []
         while time.monotonic() + every[1] + 8 < end:
@@ -207,34 +236,36 @@ def kill_nemesis(seed: int, *, every: tuple[float, float] = (6.0, 12.0)):
     return nemesis
 
 
-def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0), want: int = 18):
-    """A nemesis that, until shortly before ``end``, kills (SIGKILL) every unit and the
-    controller at random intervals and starts them all again on the same state dir (the
-    controller on its port). Returns each kill as a ``restart`` op (no loss: with durability
-    ``sync`` every acknowledged write survives) and a description of each kill. The pause
-    before a kill is drawn from ``every``, shortened (to 0.5 s at least) while slow restarts
-    of a loaded machine would leave fewer than ``want`` kills in the time left."""
+def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0), want: int = 15):
+    """A nemesis that kills (SIGKILL) every unit and the controller at random intervals
+    drawn from ``every`` until shortly before ``end`` and starts them all again on the same
+    state dir (the controller on its port). With fewer than ``want`` kills by then (slow
+    restarts on a loaded machine), it goes on with short pauses until it has them or
+    ``limit`` is near. Returns each kill as a ``restart`` op (no loss: with durability
+    ``sync`` every acknowledged write survives) and a description of each kill."""
     rng = random.Random(seed)
 
-    def nemesis(dep, end: float):
+    def nemesis(dep, end: float, limit: float):
         ops: list[Op] = []
         described: list[str] = []
         restart = 0.0  # how long the last kill took to come back
-        while time.monotonic() + every[1] + 8 < end:
-            pause = rng.uniform(*every)   # the schedule is random by design
-            left = want - len(ops)
-            if left > 0:
-                budget = (end - every[1] - 8 - time.monotonic()) / left - restart
-                pause = max(0.5, min(pause, budget))
+        while True:
+            now = time.monotonic()
+            if now + every[1] + 8 < end:
+                pause = rng.uniform(*every)   # the schedule is random by design
+            elif len(ops) < want and now + 0.5 + 2 * restart + 8 < limit:
+                pause = 0.5
+            else:
+                break
             time.sleep(pause)
             t0 = time.monotonic()
             units = [dep.procs[f"unit {uid}"] for uid in range(dep.num_units)]
             for proc in units:
                 proc.kill()
             dep.restart_controller()   # kill -9, same state dir and port
-            for uid, proc in enumerate(units):
+            for proc in units:
                 proc.wait(10)
-                dep.restart_unit(uid)
+            dep.restart_units(range(dep.num_units))
             t1 = time.monotonic()
             restart = t1 - t0
             ops.append(Op(process="nemesis", kind=RESTART, invoke=t0, complete=t1,

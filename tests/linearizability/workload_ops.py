@@ -274,7 +274,8 @@ def worker_main(proc: int, cfg: dict, end: float) -> None:
         # the result; the fence under both is the same get_rows path)
         _attach(tq, cfg)
         worker = Worker(proc, cfg)
-        while time.monotonic() < end:
+        stop_file = cfg.get("stop_file")
+        while time.monotonic() < end and not (stop_file and os.path.exists(stop_file)):
             worker.step()
         tq.close()
     except BaseException as exc:

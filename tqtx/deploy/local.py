@@ -169,12 +169,20 @@ class LocalDeployment:
     def restart_unit(self, uid: int, timeout: float = 60.0, env: dict | None = None) -> None:
         """Start unit ``uid`` again (after it died); it re-registers, empty or with the rows
         of its row log (durability buffer, sync)."""
-        name = f"unit {uid}"
-        old = self.procs.get(name)
-        if old is not None and old.poll() is None:
-            raise RuntimeError(f"{name} is still running")
-        proc = self._start_unit(uid, {**self.env, **(env or {})})
-        self._ready(name, proc, timeout)
+        self.restart_units([uid], timeout, env)
+
+    def restart_units(self, uids, timeout: float = 60.0, env: dict | None = None) -> None:
+        """Start units ``uids`` again (after they died), all at once, and wait until every
+        one has announced itself: their start-ups and row-log replays overlap."""
+        started = []
+        for uid in uids:
+            name = f"unit {uid}"
+            old = self.procs.get(name)
+            if old is not None and old.poll() is None:
+                raise RuntimeError(f"{name} is still running")
+            started.append((name, self._start_unit(uid, {**self.env, **(env or {})})))
+        for name, proc in started:
+            self._ready(name, proc, timeout)
         if self.record is not None:  # attached processes check the recorded pids
             from .owner import publish
             self.record = publish(self)
