@@ -6,8 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import filelock
@@ -22,25 +20,13 @@ from tqtx.errors import PeerTimeoutError, RowsLostError
 from tqtx import format as fmt
 
 import treehash
+from client_fork import run_client
 
 T = 5.0                       # client request timeout in every matrix deployment
 FINAL = {"committed", "aborted", "cancelled", "failed"}
 UNIT_FINAL = {"applied", "failed", "dropped"}
 PUB_FINAL = {"cleaned", "failed", "rolled-back"}
 
-CLIENT_SCRIPT = r"""
-import os, sys, tqtx as tq
-tq.init({"timeout": float(os.environ["TQ_T"])}, address=os.environ["TQ_ADDR"])
-if sys.argv[1] == "dump":
-    r = tq.dump_data_by_key(sys.argv[2], sys.argv[3].split(","), "p")
-    print("DONE", r["dump_id"])
-elif sys.argv[1] == "dump-bg":
-    r = tq.dump_data_by_key(sys.argv[2], sys.argv[3].split(","), "p", block=False).result(60)
-    print("DONE", r["dump_id"])
-else:
-    r = tq.load_data_by_key(sys.argv[2])
-    print("DONE", r["restore_id"])
-"""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -213,16 +199,14 @@ class Run:
     def run_op(self, fn, client_args) -> None:
         """The operation under test: in this process, or in a child for client-side faults."""
         if self.side == "client":
-            env = {**os.environ, "TQ_ADDR": self.cfg["address"], "TQ_T": str(T),
-                   "TQTX_FAULTS": self.spec}
-            proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, *client_args], env=env,
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode == 0:
+            rc, stderr = run_client(client_args, {
+                "TQ_ADDR": self.cfg["address"], "TQ_T": str(T), "TQTX_FAULTS": self.spec})
+            if rc == 0:
                 self.outcome = "ok"
-            elif proc.returncode == -signal.SIGKILL:
+            elif rc == -signal.SIGKILL:
                 self.outcome = "died"
             else:
-                self.outcome, self.error = "error", proc.stderr[-3000:]
+                self.outcome, self.error = "error", stderr[-3000:]
             return
         try:
             fn()
@@ -264,12 +248,6 @@ class Run:
         assert tq.get_client().controller.call("STATS")["open_restores"] == []
 
     def close(self) -> None:
-        dep = api._deployment
-        if dep is not None:
-            # stop every process at once (each stops in ~1 s), then the orderly close reaps them
-            for p in dep.procs.values():
-                if p.poll() is None:
-                    p.terminate()
         tq.close()
         deadline = time.monotonic() + 10
         while [p for p in self.pids if alive(p)] and time.monotonic() < deadline:
