@@ -362,6 +362,35 @@ def test_startup_replay(tmp_path, phase, expect):
         "buf", "buf.journal.sqlite", "buf.journal.sqlite-journal", "buf.lock"]
 
 
+def test_replay_leaves_a_dump_whose_lock_a_live_client_holds(cj, tmp_path, monkeypatch):
+    """A client holding a dump's lock while it waits for the controller (a restore begun
+    as the old controller died) must not stall the new one's startup until the client's
+    request times out: the replay leaves that dump to its lock holder and still aborts the
+    restores, which can never commit."""
+    from filelock import FileLock
+    from tqtx.controller import startup
+    monkeypatch.setattr(startup, "DUMP_LOCK_WAIT", 0.05)
+    dump = tmp_path / "buf"
+    dump.mkdir()
+    old = inc(cj)
+    for rid in ("r1", "r2"):
+        begin(cj, rid, old, units=[0], dump_dir=str(dump))
+        with dump_lock(dump), DumpJournal(dump) as dj:
+            dj.begin_restore(restore_id=rid, controller_address="tcp://h:1",
+                             incarnation_id=old, controller_state_dir=str(cj.state_dir),
+                             partition_id="train")
+    holder = FileLock(str(dump_lock(dump).lock_file))  # another open file: another owner
+    with holder:
+        actions = recover_controller_journal(cj, incarnation_id=inc(cj))
+    assert [(a["target"], a["action"]) for a in actions] == [
+        ("r1", "dump-journal-busy"), ("r1", "aborted"),
+        ("r2", "dump-journal-busy"), ("r2", "aborted")]
+    assert "held by another process" in actions[0]["detail"]
+    assert [cj.get_restore(r)["state"] for r in ("r1", "r2")] == ["aborted", "aborted"]
+    with DumpJournal(dump) as dj:  # left to the lock holder and the dump's next reader
+        assert sorted(r["restore_id"] for r in dj.active_restores()) == ["r1", "r2"]
+
+
 def test_replay_survives_unreadable_dump_journal(cj, tmp_path):
     dump = tmp_path / "buf"
     dump_journal_path(dump).write_text("this is not a database")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from filelock import Timeout as LockTimeout
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import states as st
@@ -27,6 +28,11 @@ from ..wire import codec
 from .kv import CheckpointPlan
 
 log = logging.getLogger("tqtx.controller")
+
+# How long the replay waits for a dump's lock. A live client may hold it while it waits for
+# this controller's answer (a restore or dump of that dump begun as the old controller
+# died): waiting longer would have both wait until the client's request times out.
+DUMP_LOCK_WAIT = 2.0
 
 
 def replay(ctl) -> list[dict]:
@@ -105,6 +111,10 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
     ``aborted`` and the dump's unfinished publications are settled, under the dump lock
     (a failure there is recorded as ``dump-recovery-failed`` and does not stop the replay). Every action is
     journaled with ``record_recovery`` and returned as ``{kind, target, action, detail}``.
+    A dump whose lock another process holds for more than :data:`DUMP_LOCK_WAIT` is left to
+    that process and to the next reader or writer of the dump (``dump-journal-busy``): each
+    settles a reader row from the controller's final state and recovers the publications
+    under the lock. The restore is aborted all the same: it can never commit.
     Must not be called while holding a dump lock of one of these dumps.
     """
     actions: list[dict] = []
@@ -115,6 +125,7 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
         actions.append({"kind": kind, "target": target, "action": action, "detail": detail})
 
     dumps_done: set[str] = set()
+    dumps_busy: set[str] = set()
     for r in journal.unresolved_restores():
         if r["incarnation_id"] == incarnation_id:
             continue
@@ -131,9 +142,11 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
         except OSError as exc:
             dj_path = None
             act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
-        if dj_path is not None:
+        if dj_path is not None and dump_dir in dumps_busy:
+            act("restore", rid, "dump-journal-busy", f"dump {dump_dir}: its lock is held")
+        elif dj_path is not None:
             try:
-                with dump_lock(dump_dir, state_dir=journal.state_dir), \
+                with dump_lock(dump_dir, DUMP_LOCK_WAIT, state_dir=journal.state_dir), \
                         DumpJournal(dump_dir, path=dj_path) as dj:
                     row = dj.get_restore(rid)
                     if row is not None and row["state"] == st.READING:
@@ -143,6 +156,11 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
                         dumps_done.add(dump_dir)
                         for a in recover_publications(dump_dir, dj):
                             act(a["kind"], a["target"], a["action"], a["detail"])
+            except LockTimeout:
+                dumps_busy.add(dump_dir)
+                act("restore", rid, "dump-journal-busy",
+                    f"dump {dump_dir}: its lock is held by another process (a client of "
+                    f"it); that process or the dump's next reader settles its journal")
             except (OSError, SQLAlchemyError, DumpFormatError) as exc:
                 # An unreachable dump (unmounted, permissions) must not stop the controller
                 # from starting; the dump is recovered by the next writer or by hand.
