@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -248,12 +249,12 @@ def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0), wan
     def nemesis(dep, end: float, limit: float):
         ops: list[Op] = []
         described: list[str] = []
-        restart = 0.0  # how long the last kill took to come back
+        restarts = [0.0]  # how long each kill took to come back
         while True:
             now = time.monotonic()
             if now + every[1] + 8 < end:
                 pause = rng.uniform(*every)   # the schedule is random by design
-            elif len(ops) < want and now + 0.5 + 2 * restart + 8 < limit:
+            elif len(ops) < want and now + 0.5 + 2 * statistics.median(restarts) + 8 < limit:
                 pause = 0.5
             else:
                 break
@@ -267,7 +268,7 @@ def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0), wan
                 proc.wait(10)
             dep.restart_units(range(dep.num_units))
             t1 = time.monotonic()
-            restart = t1 - t0
+            restarts.append(t1 - t0)
             ops.append(Op(process="nemesis", kind=RESTART, invoke=t0, complete=t1,
                           outcome="ok"))
             described.append(f"job killed ({dep.num_units + 1} processes) and back in "
