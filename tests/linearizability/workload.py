@@ -249,12 +249,12 @@ def whole_job_nemesis(seed: int, *, every: tuple[float, float] = (3.0, 5.0), wan
     def nemesis(dep, end: float, limit: float):
         ops: list[Op] = []
         described: list[str] = []
-        restarts = [0.0]  # how long each kill took to come back
+        restarts: list[float] = []  # how long each kill took to come back
         while True:
             now = time.monotonic()
             if now + every[1] + 8 < end:
                 pause = rng.uniform(*every)   # the schedule is random by design
-            elif len(ops) < want and now + 0.5 + 2 * statistics.median(restarts) + 8 < limit:
+            elif len(ops) < want and now + 0.5 + 2 * statistics.median(restarts or [0.0]) + 8 < limit:
                 pause = 0.5
             else:
                 break

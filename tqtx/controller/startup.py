@@ -142,8 +142,10 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
         except OSError as exc:
             dj_path = None
             act("restore", rid, "dump-recovery-failed", f"dump {dump_dir}: {exc!r}")
+        busy = (f"dump {dump_dir}: its lock is held by another process (a client of it); "
+                f"that process or the dump's next reader settles its journal")
         if dj_path is not None and dump_dir in dumps_busy:
-            act("restore", rid, "dump-journal-busy", f"dump {dump_dir}: its lock is held")
+            act("restore", rid, "dump-journal-busy", busy)
         elif dj_path is not None:
             try:
                 with dump_lock(dump_dir, DUMP_LOCK_WAIT, state_dir=journal.state_dir), \
@@ -158,9 +160,7 @@ def recover_controller_journal(journal: ControllerJournal, *, incarnation_id: in
                             act(a["kind"], a["target"], a["action"], a["detail"])
             except LockTimeout:
                 dumps_busy.add(dump_dir)
-                act("restore", rid, "dump-journal-busy",
-                    f"dump {dump_dir}: its lock is held by another process (a client of "
-                    f"it); that process or the dump's next reader settles its journal")
+                act("restore", rid, "dump-journal-busy", busy)
             except (OSError, SQLAlchemyError, DumpFormatError) as exc:
                 # An unreachable dump (unmounted, permissions) must not stop the controller
                 # from starting; the dump is recovered by the next writer or by hand.
