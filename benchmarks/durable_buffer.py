@@ -4,7 +4,8 @@
     python benchmarks/durable_buffer.py [--units 2] [--writers 8] [--seconds 5] [--batch 8]
                                         [--ckpt-mb 256] [--reps 5] [--churn-live-mb 128]
                                         [--churn-seconds 30] [--keys 50000]
-                                        [--key-bytes 21000] [--dir DIR] [--quick] [--json P]
+                                        [--key-bytes 21000] [--fsync-delay-ms MS] [--dir DIR]
+                                        [--quick] [--json P]
                                         [--only writers,checkpoint,churn,recovery]
 
 On disk (--dir, default the temp dir), each figure in one run against its baseline:
@@ -13,8 +14,14 @@ On disk (--dir, default the temp dir), each figure in one run against its baseli
   put for --seconds by 1 writer process, then by --writers processes at once, against one
   ``sync`` deployment: rows/s of each, their ratio (target: 8 writers >= 4x one: the
   puts share fsyncs) and the per-process rate (target: >= 3,000/s); then 1 writer putting
-  --batch trajectories a put (a rollout worker's batch). The same with ``controller`` (no
-  fsync) is the baseline.
+  --batch trajectories a put (a rollout worker's batch); and the median latency of a tiny
+  ``kv_put`` (one key, 8 int64) from this process. The same with ``controller`` (no fsync)
+  is the baseline. --fsync-delay-ms MS stands in for a slower disk: every fsync of a row
+  log and of the controller's journal waits MS more first (the fault points
+  ``unit.rowlog.before_fsync`` and ``controller.meta.durable_cut.before_fsync``, action
+  ``delay``; a sleep, like an fsync, blocks the loop that called it and releases the GIL).
+  This machine's disk fsyncs a small append in about 0.15 ms; network block devices take
+  1-5 ms, where sharing fsyncs matters most.
 * ``fsync``: the median of 200 fsyncs of a 4 KiB append on the same disk (the floor a
   ``sync`` put pays; a tiny put targets one fsync + 0.3 ms, see benchmarks/durability.py).
 * ``checkpoint``: a --ckpt-mb MiB buffer (64 KiB rows) put once; ``save_checkpoint`` and
@@ -95,21 +102,51 @@ def _writers(address: str, count: int, seconds: float, batch: int = 1) -> float:
     return sum(rates)
 
 
+FSYNC_POINTS = ("unit.rowlog.before_fsync", "controller.meta.durable_cut.before_fsync")
+
+
+def _tiny_put_ms(count: int = 300) -> float:
+    """Median latency of ``count`` tiny ``kv_put`` calls of new keys from this process."""
+    import torch
+    from tensordict import TensorDict
+
+    import tqtx as tq
+    row = TensorDict({"x": torch.arange(8).reshape(1, 8)}, batch_size=[1])
+    times = []
+    for i in range(count + 20):
+        t0 = time.perf_counter()
+        tq.kv_put(f"tiny-{i}", "tiny", row)
+        times.append(time.perf_counter() - t0)
+    return median(times[20:]) * 1e3
+
+
 def sync_writers(args, root: str) -> dict:
     import tqtx as tq
     res = {}
-    for setting in ("controller", "sync"):
-        state = os.path.join(root, f"writers-{setting}")
-        tq.init({"num_units": args.units, "state_dir": state, "durability": setting})
-        address = tq.get_client().address
-        one = _writers(address, 1, args.seconds)
-        many = _writers(address, args.writers, args.seconds)
-        batched = _writers(address, 1, args.seconds, args.batch)
-        tq.close()
-        shutil.rmtree(state, ignore_errors=True)
-        res[setting] = {"1 writer rows/s": one, f"{args.writers} writers rows/s": many,
-                        "ratio": many / one, "per process rows/s": many / args.writers,
-                        f"1 writer, {args.batch} a put, rows/s": batched}
+    saved = os.environ.get("TQTX_FAULTS")
+    if args.fsync_delay_ms:  # read by the servers tq.init starts
+        delay = args.fsync_delay_ms / 1e3
+        os.environ["TQTX_FAULTS"] = ",".join(f"{p}:delay:{delay}" for p in FSYNC_POINTS)
+    try:
+        for setting in ("controller", "sync"):
+            state = os.path.join(root, f"writers-{setting}")
+            tq.init({"num_units": args.units, "state_dir": state, "durability": setting})
+            address = tq.get_client().address
+            one = _writers(address, 1, args.seconds)
+            many = _writers(address, args.writers, args.seconds)
+            batched = _writers(address, 1, args.seconds, args.batch)
+            tiny = _tiny_put_ms()
+            tq.close()
+            shutil.rmtree(state, ignore_errors=True)
+            res[setting] = {"1 writer rows/s": one, f"{args.writers} writers rows/s": many,
+                            "ratio": many / one, "per process rows/s": many / args.writers,
+                            f"1 writer, {args.batch} a put, rows/s": batched,
+                            "tiny put ms": tiny}
+    finally:
+        if saved is None:
+            os.environ.pop("TQTX_FAULTS", None)
+        else:
+            os.environ["TQTX_FAULTS"] = saved
     return res
 
 
@@ -285,6 +322,8 @@ def main() -> int:
     ap.add_argument("--churn-live-mb", type=int, default=128)
     ap.add_argument("--churn-seconds", type=float, default=30.0)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--fsync-delay-ms", type=float, default=0.0,
+                    help="writers: every fsync of the servers waits this much more")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
@@ -305,13 +344,15 @@ def main() -> int:
                 out[name] = run(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"fsync of a 4 KiB append (median): {out['fsync s'] * 1e3:.3f} ms")
+    print(f"fsync of a 4 KiB append (median): {out['fsync s'] * 1e3:.3f} ms"
+          + (f"; the servers' fsyncs wait {args.fsync_delay_ms:g} ms more"
+             if args.fsync_delay_ms and "writers" in only else ""))
     for setting, r in out.get("writers", {}).items():
         print(f"{setting:10s} 1 writer {r['1 writer rows/s']:8.0f} rows/s   {args.writers} "
               f"writers {r[f'{args.writers} writers rows/s']:8.0f} rows/s   ratio "
               f"{r['ratio']:.2f}   per process {r['per process rows/s']:.0f} rows/s   1 "
               f"writer, {args.batch} a put, {r[f'1 writer, {args.batch} a put, rows/s']:.0f} "
-              f"rows/s")
+              f"rows/s   tiny put {r['tiny put ms']:.2f} ms")
     c = out.get("checkpoint")
     c and print(f"checkpoint of {args.ckpt_mb} MiB: save {c['controller']['save s']:.3f} s "
           f"(controller) / {c['buffer']['save s']:.3f} s (buffer) = "

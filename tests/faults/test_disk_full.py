@@ -95,6 +95,17 @@ def test_controller_journal_on_a_full_disk(tmpfs, tmp_path, capfd):
         assert "No space left on device" in str(exc)
     stored = set(tq.kv_list("p")["p"])
     assert "before" in stored and len(stored) == 61 - len(failures)
+    # the failed puts' rows went with them: the units hold the stored keys' rows only
+    assert sum(u["rows"] for u in tq.get_client().stats()["units"]) == len(stored)
+    # a key that existed: its new value is read from the put's PUT_ROWS on; the failed
+    # commit leaves its earlier tag, and the error says so
+    with pytest.raises(JournalWriteError, match="not committed: no new key of it was stored; "
+                       "a key that existed already reads the values this put wrote") as info:
+        tq.kv_put("before", "p", {"x": torch.full((4,), 7.0)}, tag={"note": "changed"})
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(
+        state / "journal.sqlite") and "No space left on device" in str(info.value)
+    assert tq.kv_list("p")["p"]["before"] == {"note": "n" * 100}
+    assert tq.kv_batch_get(["before"], "p")["x"][0].tolist() == [7.0] * 4
     log = (logs / "controller.log").read_text()
     lines = [ln for ln in log.splitlines() if "COMMIT_PUT failed" in ln]
     assert len(lines) == 1, lines  # one line for the run of failures, no traceback
@@ -103,6 +114,7 @@ def test_controller_journal_on_a_full_disk(tmpfs, tmp_path, capfd):
     os.unlink(filler)  # space is back: no restart needed
     for i in range(60):
         _put(f"k{i}", float(i))
+    _put("before", 1.0)
     got = tq.kv_batch_get([f"k{i}" for i in range(60)] + ["before"], "p")["x"][:, 0]
     assert got.tolist() == [float(i) for i in range(60)] + [1.0]
     assert api._deployment_handle().procs["controller"].pid == cfg["pids"]["controller"]

@@ -11,7 +11,7 @@ clear, and only keys that were never visible are put again from ALLOC
 from __future__ import annotations
 
 from .. import faults, routing
-from ..errors import PeerDiedError, PutPartlyAppliedError
+from ..errors import JournalWriteError, PeerDiedError, PutPartlyAppliedError
 from . import put_from
 from .fence import FENCE_ATTEMPTS, fence_pause, stale_keys_error
 from ..wire.rpc import new_id
@@ -20,6 +20,12 @@ from ..wire.values import TensorColumn
 # What a put whose COMMIT_PUT got no reply tells its caller.
 _COMMIT_UNSURE = ("its rows are on the units but its commit may not have been applied: put "
                   "the keys again (the same put twice has the effect of one) or see kv_list")
+# What a put whose COMMIT_PUT the controller could not journal (a full disk) tells its
+# caller: the controller rolled the commit back, and the put abandons its new keys.
+_COMMIT_NOT_JOURNALED = ("not committed: no new key of it was stored; a key that existed "
+                         "already reads the values this put wrote (from its PUT_ROWS on), "
+                         "with its earlier tags and fields; put the keys again once the "
+                         "journal can be written")
 # Only a controller found gone is waited for: one that is alive but slow (a timeout)
 # is reported as before.
 _CONTROLLER_LOST = (PeerDiedError,)
@@ -137,6 +143,11 @@ def _put_step(client, op: str, body: dict, incarnation, what: str, outcome: str)
         return client.controller.call(op, body, rid=rid)
     except _CONTROLLER_LOST:
         topo = client.await_controller(what, outcome=outcome)
+    except JournalWriteError as exc:
+        if op != "COMMIT_PUT":
+            raise
+        raise JournalWriteError(exc.errno, f"{exc.strerror}; {what}: {_COMMIT_NOT_JOURNALED}",
+                                exc.filename) from None
     if op != "COMMIT_PUT":
         if incarnation is None or topo.get("incarnation") != incarnation:
             raise _ControllerRestarted(op)
