@@ -58,7 +58,7 @@ def crash_one_unit(tq_start, tmp_path, fault: str):
     with pytest.raises(RestorePendingError) as ei:
         tq.load_data_by_key(dump)
     assert ei.value.reason == "apply_pending", ei.value
-    assert api._deployment.procs["unit 0"].poll() is not None, "unit 0 should have died"
+    assert api._deployment.procs["unit 0"].wait(timeout=10) is not None, "unit 0 should have died"
     rec = journal_json(state_dir=cfg["state_dir"])["restores"][0]
     assert rec["state"] == "committing", rec
     # nothing of the restore is visible while a unit has not applied
@@ -193,7 +193,7 @@ def test_unit_dying_during_the_redo_is_redone_again(tq_start, tmp_path):
     with pytest.raises(RestorePendingError) as ei:
         tq.recover_data_load(dump)
     assert ei.value.reason == "apply_pending", ei.value
-    assert api._deployment.procs["unit 0"].poll() is not None
+    assert api._deployment.procs["unit 0"].wait(timeout=10) is not None
     assert tq.kv_list("p").get("p", {}) == {}
     api._deployment.restart_unit(0)
     tq.get_client().refresh_topology()

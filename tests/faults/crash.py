@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import filelock
@@ -174,8 +175,15 @@ class Run:
         if dep is not None:
             self.pids.update(dep.pids.values())
 
-    def dead(self) -> list[str]:
+    def dead(self, *exiting: str) -> list[str]:
+        """The processes that exited; those named in ``exiting`` (killed, their connections
+        already closed: the client saw that) are first given up to 10 s to finish exiting."""
         dep = api._deployment
+        for name in exiting:
+            try:
+                dep.procs[name].wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         return [name for name, p in dep.procs.items() if p.poll() is not None]
 
     def recover_processes(self) -> None:
@@ -227,7 +235,7 @@ class Run:
                 assert self.outcome == "died", (self.spec, self.outcome, self.error)
             else:
                 victim = "controller" if self.side == "controller" else f"unit {self.FAULTY_UNIT}"
-                assert victim in self.dead(), (self.spec, self.outcome, self.error)
+                assert victim in self.dead(victim), (self.spec, self.outcome, self.error)
         elif self.action == "raise":
             if "RECORD_DUMP" in self.point:
                 # the audit row is best effort: the published dump is reported as done

@@ -109,6 +109,6 @@ def test_deferred_reply_points_fire(tmp_path, clean_api, ref_dump):
     run.start()
     try:
         run.run_op(lambda: tq.load_data_by_key(dump), ["load", dump])
-        assert "unit 1" in run.dead(), run.outcome
+        assert "unit 1" in run.dead("unit 1"), run.outcome
     finally:
         run.close()

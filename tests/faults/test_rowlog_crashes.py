@@ -114,7 +114,7 @@ def test_rowlog_crash(tq_start, tmp_path, point, action, outcome):
             time.sleep(0.1)
     time.sleep(0.6)  # a background compaction or cut reaches its point; the writers catch up
     if action == "kill":
-        assert faulty.poll() is not None, f"{name} did not die at {point}"
+        assert faulty.wait(timeout=10) is not None, f"{name} did not die at {point}"
     else:
         assert fired(), f"{point} did not fire"
     assert acked, "no put was acknowledged before the fault"
@@ -155,7 +155,7 @@ def test_a_whole_job_crash_during_a_checkpoint_switch_rolls_it_forward(tq_start,
     tq.kv_batch_put(saved[:3], PID, _rows(saved[:3], 3))  # overwritten after the save
     with pytest.raises(ConnectionError):  # the controller dies under the call
         tq.load_checkpoint(ckpt)
-    assert api._deployment.procs["controller"].poll() is not None
+    assert api._deployment.procs["controller"].wait(timeout=10) is not None
     kill_whole_job()
 
     tq_start(2, state_dir=state, durability="sync", timeout=10)

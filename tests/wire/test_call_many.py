@@ -152,16 +152,55 @@ def test_a_server_that_goes_away_is_reported_dead_not_timed_out(units):
             p.close()
 
 
-def test_peer_call_notices_a_closed_connection(units):
+def _recording_polls(monkeypatch) -> list:
+    """Every poll's ready sockets, of the pollers made from now on (peer.Peer's, call_many's)."""
+    from tqtx.wire import peer as peer_mod
+    polls: list = []
+
+    class Recording(zmq.Poller):
+        def poll(self, timeout=None):
+            ready = super().poll(timeout)
+            polls.append([s for s, _ in ready])
+            return ready
+    monkeypatch.setattr(peer_mod.zmq, "Poller", Recording)
+    return polls
+
+
+def test_peer_call_notices_a_closed_connection(units, monkeypatch):
+    """The wait for the reply polls the socket's monitor too: the connection's close wakes
+    it (not the next of its one-second polls)."""
+    polls = _recording_polls(monkeypatch)
     peer = Peer(units[0].address, "unit 0", hint="restart it")
     try:
         assert peer.call("FAST", {"n": 1}, timeout=5)["n"] == 1
+        monitor = peer._monitor
         threading.Timer(0.3, units[0].stop).start()
         with pytest.raises(PeerDiedError, match=r"unit 0 .* is gone \(its connection closed.*"
                                                 r"reply to SILENT. restart it"):
             peer.call("SILENT", timeout=20)
+        assert polls[-1] == [monitor]  # the wait that raised woke on the monitor
     finally:
         peer.close()
+
+
+def test_call_many_wakes_on_a_closed_connection(units, monkeypatch):
+    """call_many polls every peer's monitor too: a peer whose server went away fails when
+    its connection closes, while the others' requests go on."""
+    polls = _recording_polls(monkeypatch)
+    peers = _peers(units)
+    try:
+        for p in peers[:2]:
+            assert p.call("FAST", {"n": 0}, timeout=5)["n"] == 0
+        monitor = peers[0]._monitor
+        threading.Timer(0.3, units[0].stop).start()
+        results = call_many([(peers[0], "SILENT", {}), (peers[1], "SILENT", {})],
+                            timeout=3, raise_first=False)
+        assert isinstance(results[0], PeerDiedError) and "connection closed" in str(results[0])
+        assert isinstance(results[1], PeerTimeoutError)
+        assert [monitor] in polls  # unit 0's close woke the wait
+    finally:
+        for p in peers:
+            p.close()
 
 
 def test_connect_timeout_gives_up_on_an_address_nobody_listens_on():

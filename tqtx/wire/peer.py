@@ -1,8 +1,9 @@
 """The client side of request/reply: a DEALER :class:`Peer` per server, and :func:`call_many`
 to wait on requests to several servers at once.
 
-A monitor on each peer's socket tells when the server's connection closes, so a request in
-flight fails within a second instead of at its timeout.
+A monitor on each peer's socket tells when the server's connection closes; the wait for a
+reply polls it too, so a request in flight fails as soon as that is seen (a server that
+exited: at once on this host) instead of at its timeout.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class Peer:
     """A DEALER connection to one server; not thread-safe (use one per thread).
 
     A monitor on the socket tells when the server's connection closes (its process
-    exited or restarted), so a request in flight fails within a second instead of at
-    its timeout. ``connect_timeout`` (None: wait for the timeout) gives up on a server
+    exited or restarted); a wait for a reply wakes on it, so a request in flight fails
+    then instead of at its timeout. ``connect_timeout`` (None: wait for the timeout) gives up on a server
     no connection could be made to within that many seconds of sending. ``hint`` is
     appended to the PeerDiedError message (what to do next).
     """
@@ -45,7 +46,7 @@ class Peer:
         self.hint = hint
         self.socket = None
         self._monitor = None
-        self.poller = None  # polls the socket alone (one made per request cost ~5 us)
+        self.poller = None  # polls the socket and its monitor (one made per request: ~5 us)
         self.connected = False  # handshake done and the connection has not closed since
         self._lost = False      # a connection closed since the last request was sent
         # The numbers a long-lived peer (a unit's heartbeat) updates at every request live in
@@ -75,6 +76,7 @@ class Peer:
             self.socket = s
             self.poller = zmq.Poller()
             self.poller.register(s, zmq.POLLIN)
+            self.poller.register(self._monitor, zmq.POLLIN)
             self.connected = self._lost = False
         return self.socket
 
@@ -124,8 +126,10 @@ class Peer:
         waited_from = time.monotonic() if sent_at is None else sent_at
         while True:
             remaining = deadline - time.monotonic()
-            # poll even when the deadline has passed: a reply already here is read
-            if not poller.poll(max(0.0, min(remaining, 1.0)) * 1000):
+            # poll even when the deadline has passed: a reply already here is read; the
+            # monitor wakes it when the connection closes
+            ready = poller.poll(max(0.0, min(remaining, 1.0)) * 1000)
+            if not any(s is sock for s, _ in ready):
                 self._check_alive(op)
                 if time.monotonic() < deadline:
                     continue
@@ -254,7 +258,10 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
         poller = zmq.Poller()
         for peer in peers.values():
             poller.register(peer.socket, zmq.POLLIN)
+            poller.register(peer._monitor, zmq.POLLIN)
     by_socket = {peer.socket: peer for peer in peers.values()}
+    by_monitor = {peer._monitor: peer for peer in peers.values()}
+    linked: set[int] = set()  # peers whose monitor spoke in this poll: checked at once
     broken: dict[int, object] = {}  # peers to reset once nothing else waits on them
 
     def settle(key, result):
@@ -283,12 +290,19 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
     try:
         while waiting:
             wake = min(next_check, min(w[3] for w in waiting.values()))
+            linked.clear()
             for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):
-                read(by_socket[sock])
+                if sock in by_socket:
+                    read(by_socket[sock])
+                else:  # its events read now: a peer no longer waited on must not keep
+                    peer = by_monitor[sock]  # the poll awake
+                    peer._link_events()
+                    linked.add(id(peer))
             now = time.monotonic()
             checking = now >= next_check
             for key, (peer, op, sent_at, deadline, _pos) in list(waiting.items()):
-                if key not in waiting or not (checking or now >= deadline):
+                if key not in waiting or not (checking or now >= deadline
+                                              or id(peer) in linked):
                     continue
                 why = peer.gone()
                 if why is None and now >= deadline:
