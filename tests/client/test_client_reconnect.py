@@ -175,6 +175,37 @@ def test_reconnect_gives_up_after_the_bound_with_a_clear_error(tq_start, pid):
     assert time.monotonic() - t0 < 20
 
 
+def test_closing_the_client_ends_a_wait_for_the_controller_in_another_thread(tq_start, pid):
+    """A thread whose call found the controller gone waits for it (up to the reconnect
+    bound); closing the client (the job ending) ends that wait with PeerDiedError saying
+    so, instead of the thread waiting out the bound."""
+    tq_start(2)
+    dep, client = api._deployment_handle(), tq.get_client()
+    client.reconnect_timeout = 600.0
+    dep.stop_controller()
+    waiting, outcome = threading.Event(), []
+    real = client.await_controller
+
+    def noted(*args, **kwargs):
+        waiting.set()
+        return real(*args, **kwargs)
+    client.await_controller = noted
+
+    def lister():
+        try:
+            outcome.append(client.call_controller("LIST", {}, what="listing keys"))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+    t = threading.Thread(target=lister, daemon=True)
+    t.start()
+    assert waiting.wait(30)
+    client.close()
+    t.join(60)
+    assert not t.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], PeerDiedError), outcome
+    assert "this client was closed while listing keys" in str(outcome[0])
+
+
 @pytest.mark.slow
 def test_a_commit_lost_with_the_controller_names_what_is_uncertain(tq_start, pid):
     tq_start(2, env={"TQTX_FAULTS": "controller.request.COMMIT_PUT:kill"})

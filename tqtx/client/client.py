@@ -79,6 +79,7 @@ class Client:
         self._peers_lock = threading.Lock()
         self._topology_lock = threading.Lock()
         self._inbox: shm.GetInbox | None = None
+        self._closed = False  # close() was called: no thread waits for the controller on
         self.lease = PutLease()  # indexes for small puts of new keys (client/lease.py)
         self._inbox_tried = False
         self.into_off: str | None = None  # why same-host gets do not copy into this process
@@ -190,6 +191,9 @@ class Client:
             if final is not None and final():
                 raise PeerDiedError(f"the controller at {self.address} is gone for good "
                                     f"({final()}) while {what}{tail}")
+            if self._closed:  # another thread closed this client (the job is ending)
+                raise PeerDiedError(f"the controller at {self.address} went away and this "
+                                    f"client was closed while {what}{tail}")
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -199,6 +203,10 @@ class Client:
                 why = str(exc)
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
                 continue
+            except Exception:
+                if self._closed:  # close() closed the socket under the call: said above
+                    continue
+                raise
             if topo.get("ready"):
                 self._adopt_topology(topo)
                 return topo
@@ -247,6 +255,7 @@ class Client:
                 "header_bytes": sum(p.header_bytes_received for p in peers)}
 
     def close(self) -> None:
+        self._closed = True
         with self._peers_lock:
             for p in self._all_peers:
                 p.close()

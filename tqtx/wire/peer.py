@@ -30,9 +30,9 @@ class Peer:
 
     A monitor on the socket tells when the server's connection closes (its process
     exited or restarted); a wait for a reply wakes on it, so a request in flight fails
-    then instead of at its timeout. ``connect_timeout`` (None: wait for the timeout) gives up on a server
-    no connection could be made to within that many seconds of sending. ``hint`` is
-    appended to the PeerDiedError message (what to do next).
+    then instead of at its timeout. ``connect_timeout`` (None: wait for the timeout)
+    gives up on a server no connection could be made to within that many seconds of
+    sending. ``hint`` is appended to the PeerDiedError message (what to do next).
     """
 
     def __init__(self, address: str, name: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -294,8 +294,9 @@ def call_many(calls: list[tuple], *, timeout: float | None = None,
             for sock, _ in poller.poll(max(0.0, wake - time.monotonic()) * 1000):
                 if sock in by_socket:
                     read(by_socket[sock])
-                else:  # its events read now: a peer no longer waited on must not keep
-                    peer = by_monitor[sock]  # the poll awake
+                else:  # a monitor: its events are read at once (one of a peer no longer
+                    # waited on would keep the poll awake), and its peer checked
+                    peer = by_monitor[sock]
                     peer._link_events()
                     linked.add(id(peer))
             now = time.monotonic()
