@@ -123,30 +123,25 @@ def _tiny_put_ms(count: int = 300) -> float:
 def sync_writers(args, root: str) -> dict:
     import tqtx as tq
     res = {}
-    saved = os.environ.get("TQTX_FAULTS")
-    if args.fsync_delay_ms:  # read by the servers tq.init starts
+    env = {}  # the servers' environment: the fault points that delay each fsync
+    if args.fsync_delay_ms:
         delay = args.fsync_delay_ms / 1e3
-        os.environ["TQTX_FAULTS"] = ",".join(f"{p}:delay:{delay}" for p in FSYNC_POINTS)
-    try:
-        for setting in ("controller", "sync"):
-            state = os.path.join(root, f"writers-{setting}")
-            tq.init({"num_units": args.units, "state_dir": state, "durability": setting})
-            address = tq.get_client().address
-            one = _writers(address, 1, args.seconds)
-            many = _writers(address, args.writers, args.seconds)
-            batched = _writers(address, 1, args.seconds, args.batch)
-            tiny = _tiny_put_ms()
-            tq.close()
-            shutil.rmtree(state, ignore_errors=True)
-            res[setting] = {"1 writer rows/s": one, f"{args.writers} writers rows/s": many,
-                            "ratio": many / one, "per process rows/s": many / args.writers,
-                            f"1 writer, {args.batch} a put, rows/s": batched,
-                            "tiny put ms": tiny}
-    finally:
-        if saved is None:
-            os.environ.pop("TQTX_FAULTS", None)
-        else:
-            os.environ["TQTX_FAULTS"] = saved
+        env["TQTX_FAULTS"] = ",".join(f"{p}:delay:{delay}" for p in FSYNC_POINTS)
+    for setting in ("controller", "sync"):
+        state = os.path.join(root, f"writers-{setting}")
+        tq.init({"num_units": args.units, "state_dir": state, "durability": setting,
+                 "env": env})
+        address = tq.get_client().address
+        one = _writers(address, 1, args.seconds)
+        many = _writers(address, args.writers, args.seconds)
+        batched = _writers(address, 1, args.seconds, args.batch)
+        tiny = _tiny_put_ms()
+        tq.close()
+        shutil.rmtree(state, ignore_errors=True)
+        res[setting] = {"1 writer rows/s": one, f"{args.writers} writers rows/s": many,
+                        "ratio": many / one, "per process rows/s": many / args.writers,
+                        f"1 writer, {args.batch} a put, rows/s": batched,
+                        "tiny put ms": tiny}
     return res
 
 
