@@ -8,10 +8,13 @@ floors, in one table.
 Two parts, each alternating its engines inside every repetition:
 
 * ``get_throughput.py`` (put and get of a jagged rollout buffer and of 64 KiB rows,
-  ``save_checkpoint`` / ``load_checkpoint`` of the rollout buffer, a tiny put and get):
-  tqtx, the baseline (``git archive REV``), TransferQueue 0.1.11 under ``--tq-python``
-  (absent if that interpreter cannot import it) and the in-process copy floor; throughput
-  also in Gbit/s, TransferQueue's unit.
+  ``save_checkpoint`` / ``load_checkpoint`` of the rollout buffer, a tiny put and get), in
+  two phases: tqtx, the baseline (``git archive REV``) and the in-process copy floor; then
+  tqtx, TransferQueue 0.1.11 under ``--tq-python`` (left out if that interpreter cannot
+  import it) and the floor. The baseline never runs beside TransferQueue: its private Ray
+  keeps daemons busy on the same cores, and whichever engine runs next to them pays for it,
+  by more than the 3% this comparison flags. Throughput also in Gbit/s, TransferQueue's
+  unit.
 * ``dump_restore.py`` (``dump_data_by_key`` / ``load_data_by_key`` of --mb MiB with the
   units doing the I/O, against one stream writing / reading the same bytes): tqtx and the
   baseline in alternating runs of one repetition each (TransferQueue has no selective dump).
@@ -86,15 +89,24 @@ def paired(times: list, base: list) -> list:
 
 
 def table(kv: dict, dr: dict) -> tuple[list[list[str]], list[str], dict]:
-    """Rows of the combined table, the flagged regressions and the speed-ups (for a chart)."""
-    med, runs = kv["median_s"], kv.get("all_s", {})
+    """Rows of the combined table, the flagged regressions and the speed-ups (for a chart).
+    ``kv``: get_throughput's results by phase (``base``, ``tq``; ``floor`` when neither ran):
+    tqtx's time, the baseline's and the floor's come from the first, TransferQueue's speed
+    against the tqtx of its own phase."""
+    main = kv.get("base") or kv.get("tq") or kv["floor"]
+    med, runs = main["median_s"], main.get("all_s", {})
+    with_tq = kv.get("tq", {}).get("median_s", {})
     rows, flagged, speedups = [], [], {}
     latency = set(get_throughput.LATENCY_OPS)
 
     def fmt(t, op):
         return f"{t * 1e3:.3f} ms" if op in latency else f"{t:.3f} s"
 
-    figures = [(op, med["tqtx"].get(op), med.get("base", {}).get(op), med.get("tq", {}).get(op),
+    def tq_time(op):  # TransferQueue's time scaled to this table's tqtx time
+        tq, mine = with_tq.get("tq", {}).get(op), with_tq.get("tqtx", {}).get(op)
+        return tq * med["tqtx"][op] / mine if tq and mine else None
+
+    figures = [(op, med["tqtx"].get(op), med.get("base", {}).get(op), tq_time(op),
                 med["floor"].get(op), paired(runs.get("tqtx", {}).get(op, []),
                                              runs.get("base", {}).get(op, [])))
                for op in get_throughput.OPS]
@@ -161,15 +173,22 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="tqtx-compare-")
     try:
         base = baseline_tree(a.baseline, os.path.join(work, "base")) if a.baseline else None
-        kv_json = os.path.join(work, "kv.json")
-        args = ["--units", str(a.units), "--mb", str(a.mb), "--reps", str(a.reps),
-                "--tiny", str(a.tiny), "--tq-python", a.tq_python, "--json", kv_json,
-                "--warmup", "1" if a.quick else "2"]
+        tq_note = get_throughput.tq_missing(a.tq_python)
+        common = ["--units", str(a.units), "--mb", str(a.mb), "--reps", str(a.reps),
+                  "--tiny", str(a.tiny), "--warmup", "1" if a.quick else "2"]
+        phases = {}  # get_throughput's arguments per phase (see the module docstring)
         if base:
-            args += ["--baseline", base]
-        get_throughput.main(args)
-        with open(kv_json) as f:
-            kv = json.load(f)
+            phases["base"] = common + ["--no-tq", "--baseline", base]
+        if tq_note is None:
+            phases["tq"] = common + ["--tq-python", a.tq_python]
+        if not phases:
+            phases["floor"] = common + ["--no-tq"]
+        kv = {}
+        for name, args in phases.items():
+            path = os.path.join(work, f"kv-{name}.json")
+            get_throughput.main(args + ["--json", path])
+            with open(path) as f:
+                kv[name] = json.load(f)
         dr = dump_restore_runs(a, base, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -177,7 +196,7 @@ def main(argv=None) -> int:
     head = ["figure", "tqtx", "tqtx speed / baseline", "tqtx speed / TQ", "x floor"]
     print()
     print(f"tqtx against {'baseline ' + a.baseline if a.baseline else 'no baseline'}"
-          f"{'' if kv.get('tq_note') is None else '; ' + kv['tq_note']}; {a.units} units, "
+          f"{'' if tq_note is None else '; ' + tq_note}; {a.units} units, "
           f"{a.mb} MiB, median of {a.reps}; against the baseline: the median of the "
           f"repetitions' paired ratios")
     print(" | ".join(head))

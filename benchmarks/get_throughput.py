@@ -255,6 +255,15 @@ def worker(args) -> int:
 
 
 # ---------------------------------------------------------------- parent
+def tq_missing(python: str) -> str | None:
+    """Why ``python`` cannot run the TransferQueue worker, or None if it can."""
+    if os.path.exists(python) and subprocess.run(
+            [python, "-c", "import transfer_queue, ray"], capture_output=True).returncode == 0:
+        return None
+    return (f"TransferQueue column absent: {python} cannot import transfer_queue and ray "
+            f"(install transferqueue==0.1.11 in a separate venv, pass --tq-python)")
+
+
 def _start_worker(kind: str, python: str, a, pythonpath: str | None = None) -> JsonWorker:
     """The worker of one engine under ``python``, its ready line read into ``.info``."""
     env = {**os.environ, "TQTX_LOG_LEVEL": "WARNING", "RAY_AUTH_MODE": "disabled",
@@ -294,13 +303,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         return worker(a)
-    tq_note = None
-    if a.no_tq:
-        tq_note = "TransferQueue column left out (--no-tq)"
-    elif not (os.path.exists(a.tq_python) and subprocess.run(
-            [a.tq_python, "-c", "import transfer_queue, ray"], capture_output=True).returncode == 0):
-        tq_note = (f"TransferQueue column absent: {a.tq_python} cannot import transfer_queue "
-                   f"and ray (install transferqueue==0.1.11 in a separate venv, pass --tq-python)")
+    tq_note = "TransferQueue column left out (--no-tq)" if a.no_tq else tq_missing(a.tq_python)
     kinds = ["tqtx", "floor"] + ([] if tq_note else ["tq"]) + (["base"] if a.baseline else [])
     workers = {}
     try:
