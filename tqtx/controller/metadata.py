@@ -448,11 +448,16 @@ class Metadata:
         """Visible metadata (checkpoints): rows ``[key, index, fields, tag, lost unit or
         None, generation]``."""
         gens = self.gens
+        listed: dict = {}  # a field set -> its sorted list: keys share a handful of sets
+
+        def sorted_once(fields):
+            out = listed[fields] = sorted(fields)
+            return out
 
         def rows(p):
-            lost = p.lost
-            return [[k, i, sorted(p.fields.get(i, ())), p.tags.get(k), lost.get(i), gens[i]]
-                    for k, i in p.keys.items()]
+            lost, fields, tags, known = p.lost, p.fields, p.tags, listed.get
+            return [[k, i, known(fs := fields.get(i, ())) or sorted_once(fs), tags.get(k),
+                     lost.get(i), gens[i]] for k, i in p.keys.items()]
         return {
             "next_index": self.next_index,
             "free": sorted(self.free),
