@@ -369,10 +369,6 @@ def _header_fields(specs: dict, where) -> tuple[dict, list]:
     return row, ranges
 
 
-def _range_key(r):
-    return r[0], r[1]
-
-
 def _check_ident(header: dict, expect, where) -> None:
     """The row a version 2 record names against ``expect`` (``(partition_id or None,
     key, generation or None)``: None parts are not checked)."""
@@ -436,7 +432,8 @@ def decode_record(buf, *, expected_gidx: int | None = None, where: str = "record
     payload = total - start
     pos = 0
     if ranges:
-        ranges.sort(key=_range_key)
+        # by offset (ties: by length, then name; names are unique), as tuples compare
+        ranges.sort()
         for off, n, name, dtype, shape in ranges:
             if off != pos:
                 raise _bad(where, f"field {name!r} payload at {off} overlaps or leaves a gap "
