@@ -160,6 +160,33 @@ def _ident_parts(gen, pid, key, encoder: RecordEncoder, gidx) -> list:
     return [_HEAD_G, pack(gen), _HEAD_P, packed, _HEAD_K, pack(key)]
 
 
+def _exact_payload(value: RawTensor, n: int, gidx, name):
+    """The tensor's ``n`` bytes as bytes or a 1-D byte memoryview (no copy), or the error."""
+    data = value.data
+    if type(data) is bytes:
+        if len(data) == n:
+            return data
+    else:
+        if type(data) is not memoryview:
+            data = memoryview(data)  # e.g. the zmq frame a put stored
+        if data.nbytes == n and data.ndim == 1 and data.format == "B" and data.c_contiguous:
+            return data
+    return _payload(value, gidx, name)[0]  # a 1-D byte view, or the error
+
+
+def _record(gidx, header: bytes, small_parts: list, small_total: int, large: list,
+            large_off: int) -> tuple[bytes, list, int]:
+    """``(head, large payloads, length)`` of a record of ``header`` and its payloads."""
+    if len(header) > 0xFFFFFFFF:
+        raise ValueError(f"global index {gidx}: record header too large ({len(header)} bytes)")
+    prefix = _PREFIX.pack(RECORD_MAGIC, len(header))
+    length = len(prefix) + len(header) + large_off
+    if small_total <= _JOIN_SMALL:
+        return b"".join([prefix, header, *small_parts]), large, length
+    # copying kilobytes per row costs more than an iovec per payload
+    return prefix + header, small_parts + large, length
+
+
 def _encode_by_dict(gidx: int, row: dict, encoder: RecordEncoder, gen: int,
                     partition_id: str, key: str) -> tuple[bytes, list, int]:
     """:func:`encode_record_parts` of a row with a field layout not cached: the header as
@@ -185,16 +212,7 @@ def _encode_by_dict(gidx: int, row: dict, encoder: RecordEncoder, gen: int,
                 raise ValueError(f"global index {gidx}, field {name!r}: negative dimension in "
                                  f"shape {list(shape)}")
             n *= dim
-        data = value.data
-        if type(data) is bytes:
-            if len(data) != n:
-                data = _payload(value, gidx, name)[0]  # raises
-        else:
-            if type(data) is not memoryview:
-                data = memoryview(data)  # e.g. the zmq frame a put stored
-            if data.nbytes != n or data.ndim != 1 or data.format != "B" \
-                    or not data.c_contiguous:
-                data = _payload(value, gidx, name)[0]  # a 1-D byte view, or the error
+        data = _exact_payload(value, n, gidx, name)
         spec = specs[name] = ["t", dtype, shape, 0, n]
         if n <= _SMALL_PAYLOAD:
             small_total += n
@@ -214,14 +232,7 @@ def _encode_by_dict(gidx: int, row: dict, encoder: RecordEncoder, gen: int,
             large_off += n
             large.append(data)
     header = pack({"i": gidx, "g": gen, "p": partition_id, "k": key, "f": specs})
-    if len(header) > 0xFFFFFFFF:
-        raise ValueError(f"global index {gidx}: record header too large ({len(header)} bytes)")
-    prefix = _PREFIX.pack(RECORD_MAGIC, len(header))
-    length = len(prefix) + len(header) + large_off
-    if small_total <= _JOIN_SMALL:
-        return b"".join([prefix, header, *small_parts]), large, length
-    # copying kilobytes per row costs more than an iovec per payload
-    return prefix + header, small_parts + large, length
+    return _record(gidx, header, small_parts, small_total, large, large_off)
 
 
 def encode_record_parts(gidx: int, row: dict, encoder: RecordEncoder | None = None, *,
@@ -260,16 +271,10 @@ def encode_record_parts(gidx: int, row: dict, encoder: RecordEncoder | None = No
                 missed = encoder.misses[name] = encoder.misses.get(name, 0) + 1
                 if missed == _JAGGED_AFTER and type(name) is str:
                     encoder.jagged.add(name)
-            data = value.data
-            if type(data) is bytes:
-                if len(data) != ent[1]:
-                    data = _payload(value, gidx, name)[0]  # raises
-            else:
-                if type(data) is not memoryview:
-                    data = memoryview(data)  # e.g. the zmq frame a put stored
-                if data.nbytes != ent[1] or data.ndim != 1 or data.format != "B" \
-                        or not data.c_contiguous:
-                    data = _payload(value, gidx, name)[0]  # a 1-D byte view, or the error
+            data = value.data  # the usual case checked inline: a 1-D byte view of the row
+            if type(data) is not memoryview or data.nbytes != ent[1] or data.ndim != 1 \
+                    or data.format != "B" or not data.c_contiguous:
+                data = _exact_payload(value, ent[1], gidx, name)
             if ent[1] <= _SMALL_PAYLOAD:
                 small_total += ent[1]
             fields.append((ent, data))
@@ -299,14 +304,7 @@ def encode_record_parts(gidx: int, row: dict, encoder: RecordEncoder | None = No
             large_off += n
             large.append(data)
     header = b"".join(hparts)
-    if len(header) > 0xFFFFFFFF:
-        raise ValueError(f"global index {gidx}: record header too large ({len(header)} bytes)")
-    prefix = _PREFIX.pack(RECORD_MAGIC, len(header))
-    length = len(prefix) + len(header) + large_off
-    if small_total <= _JOIN_SMALL:
-        return b"".join([prefix, header, *small_parts]), large, length
-    # copying kilobytes per row costs more than an iovec per payload
-    return prefix + header, small_parts + large, length
+    return _record(gidx, header, small_parts, small_total, large, large_off)
 
 
 def encode_record(gidx: int, row: dict, *, gen: int, partition_id: str,
