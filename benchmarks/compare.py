@@ -24,8 +24,9 @@ as tqtx's speed against them, and the floor. Against the baseline the speed is t
 the repetitions' paired ratios (tqtx and the baseline of one repetition run back to back):
 this machine's speed drifts by 10-30% over minutes, which a ratio of two medians takes in
 and a pair mostly does not. A figure whose paired median is more than 3% slower than the
-baseline is flagged, with the spread of its pairs. With matplotlib installed, --png draws
-the speed-ups as a bar chart.
+baseline is flagged, with the spread of its pairs, and the exit status is 1 (not with
+--quick, whose 3 repetitions of 32 MiB move by more than that). With matplotlib installed,
+--png draws the speed-ups as a bar chart.
 Everything runs in RAM file systems (/dev/shm) on this host.
 """
 from __future__ import annotations
@@ -164,7 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=int, default=256)
     p.add_argument("--units", type=int, default=4)
     p.add_argument("--tiny", type=int, default=200)
-    p.add_argument("--quick", action="store_true", help="32 MiB, 3 reps, 50 tiny ops")
+    p.add_argument("--quick", action="store_true",
+                   help="32 MiB, 3 reps, 50 tiny ops: checks the script runs; too small and "
+                        "too few for the 3%% flag, which it prints but does not judge by")
     p.add_argument("--json", dest="json_path")
     p.add_argument("--png")
     a = p.parse_args(argv)
@@ -204,14 +207,15 @@ def main(argv=None) -> int:
     for row in rows:
         print(" | ".join(row))
     for line in flagged:
-        print(f"SLOWER than the baseline by more than {REGRESSION - 1:.0%}: {line}")
+        print(f"SLOWER than the baseline by more than {REGRESSION - 1:.0%}"
+              f"{' (--quick: no verdict)' if a.quick else ''}: {line}")
     if a.png:
         print(f"chart: {a.png}" if chart(speedups, a.png) else "no chart: matplotlib missing")
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"kv": kv, "dump_restore": dr, "flagged": flagged,
                        "speedups": speedups}, f, indent=2)
-    return 1 if flagged else 0
+    return 1 if flagged and not a.quick else 0
 
 
 if __name__ == "__main__":
