@@ -59,17 +59,24 @@ def file_error(file, msg: str, *, global_index=None, key=None,
     return exc
 
 
-def _payload(tensor: RawTensor, gidx, name):
-    """``(buffer, nbytes)`` of exactly the tensor's bytes; bytes or a 1-D byte memoryview."""
-    size = DTYPE_SIZES.get(tensor.dtype)
-    if size is None:
-        raise ValueError(f"global index {gidx}, field {name!r}: unknown dtype {tensor.dtype!r}")
-    expected = size
+def _nbytes(tensor: RawTensor, gidx, name) -> int:
+    """The bytes the tensor's dtype and shape make; ValueError for an unknown dtype or a
+    negative dimension."""
+    dtype = tensor.dtype
+    n = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+    if n is None:
+        raise ValueError(f"global index {gidx}, field {name!r}: unknown dtype {dtype!r}")
     for s in tensor.shape:
         if s < 0:
             raise ValueError(f"global index {gidx}, field {name!r}: negative dimension in "
                              f"shape {list(tensor.shape)}")
-        expected *= s
+        n *= s
+    return n
+
+
+def _payload(tensor: RawTensor, gidx, name):
+    """``(buffer, nbytes)`` of exactly the tensor's bytes; bytes or a 1-D byte memoryview."""
+    expected = _nbytes(tensor, gidx, name)
     data = tensor.data
     if type(data) is bytes:
         n = len(data)
@@ -125,22 +132,12 @@ class RecordEncoder:
 def _tensor_field(name, value: RawTensor, gidx, pack, cache) -> tuple[bytes, int, bytes]:
     """Check a tensor field's name, dtype and shape; its header bytes up to the offset."""
     known = cache.get((name, value.dtype)) if type(value.dtype) is str else None
+    if known is None and type(name) is not str:
+        raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
+    n = _nbytes(value, gidx, name)
     if known is None:
-        if type(name) is not str:
-            raise TypeError(f"global index {gidx}: field names must be str, not {name!r}")
-        size = DTYPE_SIZES.get(value.dtype) if type(value.dtype) is str else None
-        if size is None:
-            raise ValueError(f"global index {gidx}, field {name!r}: unknown dtype "
-                             f"{value.dtype!r}")
-        known = cache[(name, value.dtype)] = (pack(name) + _TENSOR_SPEC + pack(value.dtype),
-                                              size)
-    n = known[1]
-    for s in value.shape:
-        if s < 0:
-            raise ValueError(f"global index {gidx}, field {name!r}: negative dimension in "
-                             f"shape {list(value.shape)}")
-        n *= s
-    return known[0] + pack(list(value.shape)), n, pack(n)
+        known = cache[(name, value.dtype)] = pack(name) + _TENSOR_SPEC + pack(value.dtype)
+    return known + pack(list(value.shape)), n, pack(n)
 
 
 def _check_names(gen, pid, key, gidx) -> None:
@@ -203,17 +200,9 @@ def _encode_by_dict(gidx: int, row: dict, encoder: RecordEncoder, gen: int,
         if not isinstance(value, RawTensor):
             specs[name] = ["o", pack(value)]
             continue
-        dtype, shape = value.dtype, value.shape
-        n = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
-        if n is None:
-            raise ValueError(f"global index {gidx}, field {name!r}: unknown dtype {dtype!r}")
-        for dim in shape:
-            if dim < 0:
-                raise ValueError(f"global index {gidx}, field {name!r}: negative dimension in "
-                                 f"shape {list(shape)}")
-            n *= dim
+        n = _nbytes(value, gidx, name)
         data = _exact_payload(value, n, gidx, name)
-        spec = specs[name] = ["t", dtype, shape, 0, n]
+        spec = specs[name] = ["t", value.dtype, value.shape, 0, n]
         if n <= _SMALL_PAYLOAD:
             small_total += n
         tensors.append((spec, n, data))
@@ -269,7 +258,7 @@ def encode_record_parts(gidx: int, row: dict, encoder: RecordEncoder | None = No
                         cache.clear()
                     cache[(name, value.dtype, value.shape)] = ent
                 missed = encoder.misses[name] = encoder.misses.get(name, 0) + 1
-                if missed == _JAGGED_AFTER and type(name) is str:
+                if missed == _JAGGED_AFTER:  # (_tensor_field checked the name)
                     encoder.jagged.add(name)
             data = value.data  # the usual case checked inline: a 1-D byte view of the row
             if type(data) is not memoryview or data.nbytes != ent[1] or data.ndim != 1 \
