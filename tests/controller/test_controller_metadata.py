@@ -226,3 +226,30 @@ def test_replaced_metadata_counts_as_journaled():
     new = meta.partition("p", create=True)
     new.schema["a"] = schema["a"]
     assert [f for _, f, _ in _put(meta, "p", ["k1"], ["a"])[0].schemas] == ["a"]
+
+
+def test_a_restore_publish_merges_fields_and_tags_per_key():
+    from tqtx.plan import RestoreRow
+    meta = Metadata()
+    _put(meta, "p", ["a0", "a1"], ["x"], tags=[{"s": 0}, {"s": 1}])
+    _put(meta, "p", ["b0"], ["y"])
+    part = meta.partitions["p"]
+    part.lost[part.keys["a1"]] = 1  # a lost row comes back with the restore's fields only
+    (new_idx,), (new_gen,) = meta.allocate_rows(1)
+    rows = [RestoreRow("a0", part.keys["a0"], ["z"], {"r": 1}, False, 5, 0),
+            RestoreRow("b0", part.keys["b0"], ["z"], None, False, 6, 1),
+            RestoreRow("a1", part.keys["a1"], ["z"], {"r": 1}, False, 7, 2),
+            RestoreRow("c0", new_idx, ["z"], {"r": 1}, True, new_gen, 3),
+            RestoreRow("c1", part.keys["a0"] + 100, ["x", "z"], None, True, 9, 4)]
+    change, schema = meta.plan_publish("p", rows, {"z": {"kind": "tensor"}})
+    got = {r[1]: (r[3], r[4], r[6]) for r in change.rows}
+    assert got == {"a0": ({"x", "z"}, {"s": 0, "r": 1}, 5), "b0": ({"y", "z"}, {}, 6),
+                   "a1": ({"z"}, {"r": 1}, 7), "c0": ({"z"}, {"r": 1}, new_gen),
+                   "c1": ({"x", "z"}, {}, 9)}
+    assert got["a0"][0] is got["c1"][0] is meta.share(["x", "z"])  # one object per set
+    assert got["a1"][0] is got["c0"][0]
+    assert got["a1"][1] is got["c0"][1]  # equal merges share one tag dict
+    assert "z" in schema
+    meta.apply_publish("p", change, schema)
+    assert part.fields[part.keys["a0"]] == {"x", "z"} and part.keys["c0"] == new_idx
+    assert part.tags["a0"] == {"s": 0, "r": 1} and part.lost == {}

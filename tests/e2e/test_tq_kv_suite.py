@@ -170,6 +170,18 @@ def test_kv_batch_put_returns_cumulative_fields(api, pid):
     assert second.tags == [{"step": 2}] * 2
 
 
+def test_kv_batch_put_returns_every_keys_stored_tag(api, pid):
+    # keys new, tagged before, and stored before without a tag, with and without tags now
+    def put(keys, tags=None):
+        return api.kv_batch_put(keys=keys, partition_id=pid, tags=tags, fields=TensorDict(
+            {"x": torch.arange(len(keys))[:, None]}, len(keys))).tags
+    assert put(["t0", "t1"], [{"a": 1}, {}]) == [{"a": 1}, {}]
+    assert put(["t0", "t1", "t2"], [{"b": 2}, {"c": 3}, {"d": 4}]) == \
+        [{"a": 1, "b": 2}, {"c": 3}, {"d": 4}]
+    assert put(["t2", "t0", "t3"]) == [{"d": 4}, {"a": 1, "b": 2}, {}]
+    assert put(["t3", "t1"], [{"e": 5}, None]) == [{"e": 5}, {"c": 3}]
+
+
 # ---------------------------------------------------------------- kv_batch_get
 def test_kv_batch_get_nested_tensor(api, pid):
     keys, rows = [], []

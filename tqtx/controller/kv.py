@@ -239,6 +239,7 @@ class KVRequests:
                 tags = None if tags is None else [tags[i] for i in keep]
                 if not keys:
                     return {"fields": [], "stale": stale, "redo": redo}
+        back = body.get("want_tags") and self._tags_to_send(pid, keys)
         change, updates, common = self.meta.plan_commit(
             pid, keys, body.get("fields") or [], tags)
         out = {"fields": common}
@@ -248,9 +249,21 @@ class KVRequests:
         self.journal_meta("commit_put", change)
         self.meta.apply_commit(pid, updates, change)
         faults.hit("controller.meta.commit_put.before_reply")
-        if body.get("want_tags"):  # the stored (merged) tags of the keys committed
-            out["tags"] = {k: updates[k][2] or {} for k in keys}
+        if back:  # the stored (merged) tags of the keys committed that the client lacks
+            out["tags"] = {k: updates[k][2] or {} for k in back}
         return out
+
+    def _tags_to_send(self, pid: str, keys: list[str]) -> list[str]:
+        """The keys of a put whose stored tags its client does not know: a key put once
+        that held no tag stores the tag this put gave it (the client answers with its
+        own, as for a key the reply leaves out), so only the others travel back."""
+        part = self.meta.partition(pid)
+        if len(set(keys)) != len(keys):
+            return keys
+        if part is None:
+            return []
+        tags = part.tags
+        return [k for k in keys if tags.get(k)]
 
     def _take_lease(self, pid: str, keys: list[str], leased, body) -> bool:
         """A put that wrote the rows of keys it believed new at indexes leased by an

@@ -398,14 +398,25 @@ class Metadata:
         change = MetaChange(next_index=self.next_index,
                             schemas=[(pid, f, schema[f]) for f in field_schema])
         tag_memo: dict = {}
+        # (the key's field set or None, the row's names) -> the one union: the rows of a
+        # dump share a few field lists, each decoded as a list of its own
+        fields_memo: dict[tuple, frozenset] = {}
+        keys, lost, held, tags = ((part.keys, part.lost, part.fields, part.tags)
+                                  if part is not None else ({}, {}, {}, {}))
+        out = change.rows
         for r in rows:
-            key, idx, fields, tag, is_new, gen = r.key, r.index, r.fields, r.tag, r.is_new, r.gen
-            if is_new or part is None or key not in part.keys or idx in part.lost:
-                new_fields, new_tag = self.share(fields), merge_tag(None, tag, tag_memo)
+            key, idx, tag = r.key, r.index, r.tag
+            if r.is_new or key not in keys or idx in lost:
+                old, old_tag = None, None
             else:
-                new_fields = self.share(part.fields.get(idx, EMPTY).union(fields))
-                new_tag = merge_tag(part.tags.get(key, NO_TAG), tag, tag_memo)
-            change.rows.append((pid, key, idx, new_fields, new_tag, None, gen))
+                old, old_tag = held.get(idx, EMPTY), tags.get(key, NO_TAG)
+            names = (old, tuple(r.fields))
+            new_fields = fields_memo.get(names)
+            if new_fields is None:
+                new_fields = fields_memo[names] = self.share(
+                    names[1] if old is None else old.union(names[1]))
+            out.append((pid, key, idx, new_fields, merge_tag(old_tag, tag, tag_memo), None,
+                        r.gen))
         return change, schema
 
     def apply_publish(self, pid: str, change: MetaChange, schema: dict) -> None:

@@ -34,6 +34,7 @@ from .. import states as st
 from ..errors import RestorePendingError, SchemaConflictError
 from ..journal.controller import ControllerJournal
 from ..plan import BeginRow, RestorePlan, RestoreRow
+from ..process.gcpause import gc_paused
 from ..routing import owner
 from ..states import IllegalTransition
 from ..wire.rpc import new_id
@@ -76,6 +77,7 @@ class RestoreCoordinator:
                                       f"{exc}") from None
         return {"ok": True}
 
+    @gc_paused  # a plan row per key, no cycles
     def begin_restore(self, body, req):
         """Resolve keys, reserve new indexes (invisible) and journal one pending claim per unit."""
         rid, pid = body["restore_id"], body["partition_id"]
@@ -185,6 +187,7 @@ class RestoreCoordinator:
         return RuntimeError(str(exc))
 
     # ---------------------------------------------------------------- finish
+    @gc_paused
     def finish_restore(self, body, req):
         """Commit (decision journaled first, then units apply, then metadata) or abandon."""
         rid = body["restore_id"]

@@ -26,6 +26,7 @@ from .. import format as fmt
 from .. import states as st
 from ..errors import DumpFormatError, PeerTimeoutError
 from ..plan import LoadItem, RedoItem
+from ..process.gcpause import gc_paused
 from ..schema import validate_row
 from ..wire.id_records import IdRecords
 from ..wire.peer import CONNECT_TIMEOUT, Peer
@@ -172,6 +173,7 @@ class RestoreWorker:
         self.unit.pool.submit(self._load_job, body["restore_id"], body, deferred)
         return deferred
 
+    @gc_paused  # a row per record, no cycles: a collection would walk every held row
     def _load_job(self, rid, body, deferred):
         unit = self.unit
         uid = unit.unit_id
@@ -254,6 +256,7 @@ class RestoreWorker:
                       report_exc)
 
     # ---------------------------------------------------------------- 2. apply
+    @gc_paused
     def apply_staged(self, body, req):
         """Make a committed restore's staged rows live (idempotent)."""
         rid = body["restore_id"]
