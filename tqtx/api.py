@@ -339,15 +339,14 @@ def _put(keys, pid, columns, tags) -> KVBatchMeta:
             schemas[field] = column_schema(values)
         except ValueError as exc:
             raise ValueError(f"field {field!r}: {exc}") from None
-    wire_tags = None
-    if tags is not None:
-        wire_tags = [tensors.encode_object(t or {}, "tag") for t in tags]
+    wire_tags = None if tags is None else tensors.encode_tags(tags)
     fields, stored = _client_of().put_columns(keys, pid, columns,
                                               semantics.mark_mixable(schemas), wire_tags,
                                               with_tags=True)
-    # as TransferQueue: the keys' tags as stored now (earlier tags merged with these)
-    return KVBatchMeta(keys=list(keys), tags=[tensors.decode_object(t) for t in stored],
-                       partition_id=pid, fields=fields)
+    # as TransferQueue: the keys' tags as stored now (earlier tags merged with these), each
+    # a new object of this result
+    return KVBatchMeta._of_own_tags(list(keys), [tensors.decode_object(t) for t in stored],
+                                   partition_id=pid, fields=fields)
 
 
 def _select_list(select_fields) -> list[str] | None:

@@ -52,6 +52,17 @@ class KVBatchMeta:
             raise ValueError("KVBatchMeta fields must be distinct")
         self.extra_info = copy.deepcopy(self.extra_info)
 
+    @classmethod
+    def _of_own_tags(cls, keys: list, tags: list, **kw) -> "KVBatchMeta":
+        """A batch whose ``tags`` are objects made for it alone (decoded from a reply),
+        kept without the copy made of tags handed in by a caller."""
+        meta = cls(keys=keys, **kw)
+        if len(tags) != len(meta.keys):
+            raise ValueError(f"keys and tags must have the same length, got {len(meta.keys)} "
+                             f"keys and {len(tags)} tags")
+        meta.tags = tags
+        return meta
+
     def __len__(self):
         return len(self.keys)
 
