@@ -175,7 +175,6 @@ def _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0) -> dict:
     locations = index.record_locations()
     per_unit: dict[int, dict] = {}
     items_of: dict[int, list] = {}
-    names: dict = {}  # shard path -> its text, once per shard
     num_units = plan["num_units"]
     read_bytes = 0
     src_gens = index.gens
@@ -183,16 +182,13 @@ def _run_restore(client, dump_dir, rid, pid, index, plan, dj, t0) -> dict:
         if not fields:
             continue
         path, offset, length, crc = locations[src]
-        name = names.get(path)
-        if name is None:
-            name = names[path] = str(path)
         u = routing.owner(dest, num_units)
         items = items_of.get(u)
         if items is None:
             items = items_of[u] = []
             per_unit[u] = {"restore_id": rid, "unit_id": u, "field_schema": index.field_schema,
                            "format_version": index.version, "items": items}
-        items.append(LoadItem(dest, gen, name, offset, length, crc, src, key,
+        items.append(LoadItem(dest, gen, path, offset, length, crc, src, key,
                               src_gens.get(src)).to_wire())
         read_bytes += length
     uids = sorted(per_unit)

@@ -123,10 +123,11 @@ class DumpIndex:
         return {gidx: (pid, key, gens[gidx]) for key, gidx, fields, _ in self.rows if fields}
 
     def record_locations(self) -> dict:
-        """``{global_index: (shard_path, offset, length, crc32)}`` for every record."""
+        """``{global_index: (shard path as a str, offset, length, crc32)}`` for every
+        record (one str per shard: a request names the shard of each record)."""
         out = {}
         for shard in self.shards:
-            path = shard["path"]
+            path = str(shard["path"])
             for gidx, offset, length, crc in shard["records"]:
                 out[gidx] = (path, offset, length, crc)
         return out

@@ -369,7 +369,7 @@ class RestoreWorker:
             if redo.src not in locations:
                 raise DumpFormatError(f"{dump_dir}: has no record of global index {redo.src}")
             path, offset, length, crc = locations[redo.src]
-            items.append(LoadItem(redo.dest, redo.gen, str(path), offset, length, crc,
+            items.append(LoadItem(redo.dest, redo.gen, path, offset, length, crc,
                                   redo.src, key_of[redo.src], index.gens.get(redo.src)))
         staged: dict[int, tuple[int, dict]] = {}
         reads = ReadPlan(items, check_key=index.version >= 2)
