@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from tqtx.client.kvmeta import KVBatchMeta, copy_tags
 
 
@@ -37,3 +39,15 @@ def test_kv_batch_meta_holds_copies():
     meta.tags[0]["k"] = 2
     meta.tags[1]["k"]["deep"].append(2)
     assert tags == [{"k": 1}, {"k": {"deep": [1]}}]
+
+
+def test_a_put_result_keeps_the_tags_made_for_it_and_checks_as_the_constructor():
+    tags = [{"k": 1}, {}]
+    own = KVBatchMeta._of_own_tags(["a", "b"], tags, partition_id="p", fields=["x"])
+    assert own == KVBatchMeta(keys=["a", "b"], tags=tags, partition_id="p", fields=["x"])
+    assert own.tags is tags and own.extra_info == {}
+    for keys, tags, fields, msg in ((["a", "a"], [{}, {}], None, "distinct"),
+                                    (["a"], [{}, {}], None, "same length"),
+                                    (["a"], [{}], ["x", "x"], "fields must be distinct")):
+        with pytest.raises(ValueError, match=msg):
+            KVBatchMeta._of_own_tags(keys, tags, partition_id="p", fields=fields)

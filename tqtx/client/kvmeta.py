@@ -43,6 +43,10 @@ class KVBatchMeta:
     def __post_init__(self):
         self.keys = list(self.keys)
         self.tags = copy_tags(self.tags) if self.tags else [{} for _ in self.keys]
+        self._check()
+        self.extra_info = copy.deepcopy(self.extra_info)
+
+    def _check(self) -> None:
         if len(self.tags) != len(self.keys):
             raise ValueError(f"keys and tags must have the same length, got {len(self.keys)} "
                              f"keys and {len(self.tags)} tags")
@@ -50,17 +54,17 @@ class KVBatchMeta:
             raise ValueError("KVBatchMeta keys must be distinct")
         if self.fields is not None and len(set(self.fields)) != len(self.fields):
             raise ValueError("KVBatchMeta fields must be distinct")
-        self.extra_info = copy.deepcopy(self.extra_info)
 
     @classmethod
-    def _of_own_tags(cls, keys: list, tags: list, **kw) -> "KVBatchMeta":
-        """A batch whose ``tags`` are objects made for it alone (decoded from a reply),
-        kept without the copy made of tags handed in by a caller."""
-        meta = cls(keys=keys, **kw)
-        if len(tags) != len(meta.keys):
-            raise ValueError(f"keys and tags must have the same length, got {len(meta.keys)} "
-                             f"keys and {len(tags)} tags")
-        meta.tags = tags
+    def _of_own_tags(cls, keys: list, tags: list, *, partition_id: str | None,
+                     fields: list | None) -> "KVBatchMeta":
+        """A batch (no ``extra_info``) of ``keys`` (a list of its own) whose ``tags`` are
+        objects made for it alone (decoded from a reply): kept without the copies made of
+        what a caller hands in."""
+        meta = object.__new__(cls)
+        meta.keys, meta.tags, meta.partition_id = keys, tags, partition_id
+        meta.fields, meta.extra_info = fields, {}
+        meta._check()
         return meta
 
     def __len__(self):
