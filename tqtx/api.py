@@ -332,6 +332,7 @@ def kv_batch_put(keys: list[str] | str, partition_id: str, fields=None,
 
 def _put(keys, pid, columns, tags) -> KVBatchMeta:
     from .client import tensors
+    from .client.tags import encode_tags
     from .schema import column_schema
     schemas = {}
     for field, values in columns.items():
@@ -339,7 +340,7 @@ def _put(keys, pid, columns, tags) -> KVBatchMeta:
             schemas[field] = column_schema(values)
         except ValueError as exc:
             raise ValueError(f"field {field!r}: {exc}") from None
-    wire_tags = None if tags is None else tensors.encode_tags(tags)
+    wire_tags = None if tags is None else encode_tags(tags)
     fields, stored = _client_of().put_columns(keys, pid, columns,
                                               semantics.mark_mixable(schemas), wire_tags,
                                               with_tags=True)

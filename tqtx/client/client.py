@@ -349,11 +349,12 @@ class Client:
 
     def list_keys(self, pid=None, *, decode: bool = False) -> dict:
         """``{partition: {key: tag}}``, each key's tag its own dict; with ``decode``, as
-        :func:`tqtx.client.tensors.decode_tag` gives it (tensors decoded; nested values
+        :func:`tqtx.client.tags.decode_tag` gives it (tensors decoded; nested values
         copied), else as received (nested values of equal tags may be shared). Asked
         columnar: each distinct tag travels and is examined once (a controller that does
         not know the flag answers with the plain mapping)."""
-        from .tensors import decode_object, decode_tag
+        from .tags import decode_tag
+        from .tensors import decode_object
         res = self.call_controller("LIST", {"partition_id": pid, "columnar": True},
                                    what="listing keys")
         if res.get("columnar") is not True:
